@@ -1,0 +1,192 @@
+"""Attention over the paged KV pool: metadata, the torch implementation (CPU path and reference of the
+Triton kernels) and the dispatch to Triton.
+
+Visibility rule, shared by every implementation. A batch packs the new tokens of R rows: row r owns
+q[cu[r]:cu[r+1]] (n_new tokens). Its context is
+- a prefix segment (prefix_len tokens in pool blocks `prefix_table`): visible to all its new tokens;
+- an own segment (own_len tokens in `own_table`, the row's new tokens being the last n_new of them, written
+  to the pool before attending): new token i sees own token j iff j < own_before + max(i + 1, bidir),
+  with own_before = own_len - n_new. bidir = n_new makes the row fully bidirectional (upstream openpi
+  prefix), bidir = image tokens gives the OxyGen prefix (images bidirectional, language causal), bidir = 0
+  is plain causal decoding.
+Action batches: H query tokens per row see their row's prefix segment and all H action keys (dense).
+Scores are scaled by head_dim ** -0.5, softmax in float32; query head h uses kv head h // (heads/kv_heads).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("torch", "triton")
+
+
+def default_backend(device: torch.device) -> str:
+    """Triton on CUDA, torch elsewhere. OXYGEN_ATTENTION=torch|triton overrides (triton on the CPU runs
+    through the interpreter, TRITON_INTERPRET=1: correct and slow, for tests)."""
+    forced = os.environ.get("OXYGEN_ATTENTION", "").strip().lower()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"OXYGEN_ATTENTION must be one of {BACKENDS}, got {forced!r}")
+        return forced
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def _slots(blocks, block_size: int, start: int, end: int, device) -> slice | torch.Tensor:
+    """Flat pool slots of tokens start..end-1 of a segment: a slice (zero-copy view) when they are
+    consecutive in the pool, else an index tensor."""
+    slots = [blocks[j // block_size] * block_size + j % block_size for j in range(start, end)]
+    if slots and slots[-1] - slots[0] == len(slots) - 1:
+        return slice(slots[0], slots[-1] + 1)
+    return torch.tensor(slots, dtype=torch.long, device=device)
+
+
+def _table(segments, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max([len(s.blocks) for s in segments if s is not None] + [1])
+    table = torch.zeros(len(segments), width, dtype=torch.int32)
+    lens = torch.zeros(len(segments), dtype=torch.int32)
+    for r, s in enumerate(segments):
+        if s is not None:
+            table[r, :len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
+            lens[r] = s.length
+    return table.to(device), lens.to(device)
+
+
+@dataclass
+class CachedMeta:
+    """Per-forward metadata of a cached batch, built once and shared by all layers."""
+
+    cu: list[int]
+    n_new: list[int]
+    own_before: list[int]
+    bidir: list[int]
+    write_slots: torch.Tensor                         # [T] flat pool slot of each new token
+    own_index: list                                   # per row: slots of the own segment (slice or tensor)
+    prefix_key: list                                  # per row: key into prefix_index, or None
+    prefix_index: dict                                # segment -> its slots (shared by rows of a frame)
+    tensors: dict = field(default_factory=dict)       # Triton's view: tables and lengths on the device
+
+    @classmethod
+    def build(cls, rows, block_size: int, device, with_tensors: bool = False) -> "CachedMeta":
+        cu = [0]
+        for r in rows:
+            cu.append(cu[-1] + r.n_new)
+        write = []
+        for r in rows:
+            write += [r.own.blocks[j // block_size] * block_size + j % block_size
+                      for j in range(r.own_before, r.own.length)]
+        prefix_index = {}
+        for r in rows:
+            if r.prefix is not None and r.prefix not in prefix_index:
+                prefix_index[r.prefix] = _slots(r.prefix.blocks, block_size, 0, r.prefix.length, device)
+        meta = cls(
+            cu=cu, n_new=[r.n_new for r in rows], own_before=[r.own_before for r in rows],
+            bidir=[r.bidir for r in rows],
+            write_slots=torch.tensor(write, dtype=torch.long, device=device),
+            own_index=[_slots(r.own.blocks, block_size, 0, r.own.length, device) for r in rows],
+            prefix_key=[r.prefix for r in rows], prefix_index=prefix_index)
+        if with_tensors:
+            prefix_table, prefix_lens = _table([r.prefix for r in rows], device)
+            own_table, own_lens = _table([r.own for r in rows], device)
+            meta.tensors = dict(
+                cu_q=torch.tensor(cu, dtype=torch.int32, device=device),
+                prefix_table=prefix_table, prefix_lens=prefix_lens, own_table=own_table, own_lens=own_lens,
+                bidir=torch.tensor(meta.bidir, dtype=torch.int32, device=device),
+                max_new=max(meta.n_new))
+        return meta
+
+
+@dataclass
+class ActionMeta:
+    prefix_index: list                                # per row: slots of its frame prefix
+    tensors: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, prefixes, block_size: int, device, with_tensors: bool = False) -> "ActionMeta":
+        meta = cls(prefix_index=[_slots(p.blocks, block_size, 0, p.length, device) for p in prefixes])
+        if with_tensors:
+            table, lens = _table(prefixes, device)
+            meta.tensors = dict(prefix_table=table, prefix_lens=lens)
+        return meta
+
+
+def _attend_segments(q: torch.Tensor, segments: list) -> torch.Tensor:
+    """q [n, heads, hd]; segments: (k [S, kvh, hd], v [S, kvh, hd], mask [n, S] bool or None).
+    One softmax across all segments, float32."""
+    n, heads, hd = q.shape
+    kvh = segments[0][0].shape[1]
+    g = heads // kvh
+    qg = q.float().view(n, kvh, g, hd).permute(1, 2, 0, 3)              # [kvh, g, n, hd]
+    scores = []
+    for k, _, mask in segments:
+        s = torch.matmul(qg, k.float().permute(1, 2, 0)[:, None])          # [kvh, g, n, S]
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        scores.append(s)
+    p = torch.softmax(torch.cat(scores, dim=-1) * hd ** -0.5, dim=-1)
+    out, start = 0, 0
+    for k, v, _ in segments:
+        out = out + torch.matmul(p[..., start:start + k.shape[0]], v.float().permute(1, 0, 2)[:, None])
+        start += k.shape[0]
+    return out.permute(2, 0, 1, 3).reshape(n, heads, hd).to(q.dtype)
+
+
+def torch_cached_attention(q, k, v, k_cache, v_cache, meta: CachedMeta) -> torch.Tensor:
+    """Store the new k/v at their slots, then attend (see the module docstring for the rule)."""
+    kvh, hd = k_cache.shape[-2:]
+    kf, vf = k_cache.view(-1, kvh, hd), v_cache.view(-1, kvh, hd)
+    kf[meta.write_slots] = k.to(kf.dtype)
+    vf[meta.write_slots] = v.to(vf.dtype)
+    prefix_kv = {key: (kf[idx], vf[idx]) for key, idx in meta.prefix_index.items()}
+    out = torch.empty_like(q)
+    for r in range(len(meta.n_new)):
+        qr = q[meta.cu[r]:meta.cu[r + 1]]
+        n, before, bidir = meta.n_new[r], meta.own_before[r], meta.bidir[r]
+        own_k, own_v = kf[meta.own_index[r]], vf[meta.own_index[r]]
+        if meta.prefix_key[r] is None and before == 0 and bidir >= n:
+            # A whole bidirectional sequence (upstream prefill): the fused kernel, no mask.
+            out[meta.cu[r]:meta.cu[r + 1]] = F.scaled_dot_product_attention(
+                qr.transpose(0, 1)[None], own_k.transpose(0, 1)[None], own_v.transpose(0, 1)[None],
+                enable_gqa=True)[0].transpose(0, 1)
+            continue
+        mask = None
+        if n > 1 and bidir < n:
+            i = torch.arange(n, device=q.device)[:, None]
+            j = torch.arange(own_k.shape[0], device=q.device)[None, :]
+            mask = j < before + torch.clamp(i + 1, min=bidir)
+        segments = [(own_k, own_v, mask)]
+        if meta.prefix_key[r] is not None:
+            segments.insert(0, (*prefix_kv[meta.prefix_key[r]], None))
+        out[meta.cu[r]:meta.cu[r + 1]] = _attend_segments(qr, segments)
+    return out
+
+
+def torch_action_attention(q, k, v, k_cache, v_cache, meta: ActionMeta) -> torch.Tensor:
+    """q [R*H, heads, hd], k/v [R*H, kvh, hd]: each row's H tokens see its prefix and each other."""
+    kvh, hd = k_cache.shape[-2:]
+    kf, vf = k_cache.view(-1, kvh, hd), v_cache.view(-1, kvh, hd)
+    rows = len(meta.prefix_index)
+    h = q.shape[0] // rows
+    out = torch.empty_like(q)
+    for r, idx in enumerate(meta.prefix_index):
+        sl = slice(r * h, (r + 1) * h)
+        out[sl] = _attend_segments(q[sl], [(kf[idx], vf[idx], None), (k[sl], v[sl], None)])
+    return out
+
+
+def cached_attention(q, k, v, k_cache, v_cache, meta: CachedMeta, backend: str) -> torch.Tensor:
+    if backend == "triton":
+        from . import triton_attention
+
+        return triton_attention.cached_attention(q, k, v, k_cache, v_cache, meta)
+    return torch_cached_attention(q, k, v, k_cache, v_cache, meta)
+
+
+def action_attention(q, k, v, k_cache, v_cache, meta: ActionMeta, backend: str) -> torch.Tensor:
+    if backend == "triton":
+        from . import triton_attention
+
+        return triton_attention.action_attention(q, k, v, k_cache, v_cache, meta)
+    return torch_action_attention(q, k, v, k_cache, v_cache, meta)

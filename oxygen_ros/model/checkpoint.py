@@ -1,0 +1,197 @@
+"""Load π0.5 weights from openpi PyTorch and LeRobot pi05 checkpoints (safetensors only, strict).
+
+Formats (detected from the key names):
+- openpi: `model.safetensors` holding `PI0Pytorch(pi05=True).state_dict()` names
+  (`paligemma_with_expert.paligemma.model.language_model.layers.0.self_attn.q_proj.weight`, ...). The tied
+  embedding is stored once, as `paligemma_with_expert.paligemma.lm_head.weight`.
+- LeRobot: the same module under `model.` (every key prefixed); the tied embedding is present under both
+  names.
+Older openpi conversions name the time MLP `action_time_mlp_{in,out}`; accepted as aliases.
+Ignored on purpose (never used by π0.5 inference): the expert's LM head.
+
+Any other unexpected key, any missing key and any shape mismatch is an error that names the keys.
+Weights are materialised one tensor at a time straight into the target dtype and device, on a model
+built on the meta device, so a full-size checkpoint is never held twice.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import Pi05Config
+from .pi05 import Pi05
+
+_PG = "paligemma_with_expert.paligemma."
+_VIS = _PG + "model.vision_tower.vision_model."
+_LM = _PG + "model.language_model."
+_EX = "paligemma_with_expert.gemma_expert."
+_GEMMA_LINEARS = [("q_proj", "self_attn.q_proj"), ("k_proj", "self_attn.k_proj"), ("v_proj", "self_attn.v_proj"),
+                  ("o_proj", "self_attn.o_proj"), ("gate_proj", "mlp.gate_proj"), ("up_proj", "mlp.up_proj"),
+                  ("down_proj", "mlp.down_proj")]
+
+# (this package's parameter name, openpi name); {i} = layer index, {p} = weight|bias.
+NAME_TABLE: list[tuple[str, str]] = [
+    ("vision.patch_embedding.{p}", _VIS + "embeddings.patch_embedding.{p}"),
+    ("vision.position_embedding", _VIS + "embeddings.position_embedding.weight"),
+    ("vision.layers.{i}.layer_norm1.{p}", _VIS + "encoder.layers.{i}.layer_norm1.{p}"),
+    ("vision.layers.{i}.layer_norm2.{p}", _VIS + "encoder.layers.{i}.layer_norm2.{p}"),
+    *[(f"vision.layers.{{i}}.{n}.{{p}}", _VIS + f"encoder.layers.{{i}}.self_attn.{n}.{{p}}")
+      for n in ("q_proj", "k_proj", "v_proj", "out_proj")],
+    ("vision.layers.{i}.fc1.{p}", _VIS + "encoder.layers.{i}.mlp.fc1.{p}"),
+    ("vision.layers.{i}.fc2.{p}", _VIS + "encoder.layers.{i}.mlp.fc2.{p}"),
+    ("vision.post_layernorm.{p}", _VIS + "post_layernorm.{p}"),
+    ("projector.{p}", _PG + "model.multi_modal_projector.linear.{p}"),
+    ("embed_tokens.weight", _PG + "lm_head.weight"),
+    ("vlm_layers.{i}.input_norm.weight", _LM + "layers.{i}.input_layernorm.weight"),
+    ("vlm_layers.{i}.post_attention_norm.weight", _LM + "layers.{i}.post_attention_layernorm.weight"),
+    *[(f"vlm_layers.{{i}}.{a}.weight", _LM + f"layers.{{i}}.{b}.weight") for a, b in _GEMMA_LINEARS],
+    ("vlm_norm.weight", _LM + "norm.weight"),
+    ("expert_layers.{i}.input_norm.dense.{p}", _EX + "model.layers.{i}.input_layernorm.dense.{p}"),
+    ("expert_layers.{i}.post_attention_norm.dense.{p}", _EX + "model.layers.{i}.post_attention_layernorm.dense.{p}"),
+    *[(f"expert_layers.{{i}}.{a}.weight", _EX + f"model.layers.{{i}}.{b}.weight") for a, b in _GEMMA_LINEARS],
+    ("expert_norm.dense.{p}", _EX + "model.norm.dense.{p}"),
+    *[(f"{n}.{{p}}", f"{n}.{{p}}") for n in ("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out")],
+]
+# Other names for the same tensor (the tied embedding; the time MLP of older openpi conversions).
+ALIASES = {
+    _LM + "embed_tokens.weight": _PG + "lm_head.weight",
+    "action_time_mlp_in.weight": "time_mlp_in.weight", "action_time_mlp_in.bias": "time_mlp_in.bias",
+    "action_time_mlp_out.weight": "time_mlp_out.weight", "action_time_mlp_out.bias": "time_mlp_out.bias",
+}
+IGNORED = re.compile(r"^paligemma_with_expert\.gemma_expert\.(lm_head\.weight|model\.embed_tokens\.weight)$")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _template_regex(template: str) -> re.Pattern:
+    pattern = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)")
+    return re.compile("^" + pattern + "$")
+
+
+_TO_LOCAL = [(_template_regex(theirs), ours) for ours, theirs in NAME_TABLE]
+_TO_OPENPI = [(_template_regex(ours), theirs) for ours, theirs in NAME_TABLE]
+
+
+def _convert(name: str, rules) -> str | None:
+    for regex, target in rules:
+        m = regex.match(name)
+        if m:
+            return target.format(**m.groupdict())
+    return None
+
+
+def openpi_name(local: str) -> str:
+    name = _convert(local, _TO_OPENPI)
+    if name is None:
+        raise KeyError(local)
+    return name
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    index = path / "model.safetensors.index.json"
+    if index.exists():  # sharded checkpoint
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise CheckpointError(f"no model.safetensors in {path} (π0.5 checkpoints are loaded from safetensors only)")
+
+
+def _listing(names, limit: int = 12) -> str:
+    names = sorted(names)
+    shown = ", ".join(names[:limit])
+    return shown + (f" ... and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def read_key_map(path: str | Path) -> tuple[str, dict[str, tuple[Path, str]]]:
+    """Detect the format and map every needed parameter to (file, key in file). Raises CheckpointError
+    naming unexpected keys (and hints when the file is a π0, not π0.5, checkpoint)."""
+    files = _files(Path(path))
+    keys: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                keys[k] = f
+    prefixed = [k.startswith("model.") for k in keys]
+    if any(prefixed) and not all(prefixed):
+        raise CheckpointError(f"{path}: mixes LeRobot-style 'model.' keys with unprefixed keys: "
+                              f"{_listing(k for k in keys if not k.startswith('model.'))}")
+    fmt = "lerobot" if all(prefixed) and keys else "openpi"
+    mapping: dict[str, tuple[Path, str]] = {}
+    unexpected = []
+    for key, f in keys.items():
+        name = key[len("model."):] if fmt == "lerobot" else key
+        name = ALIASES.get(name, name)
+        if IGNORED.match(name):
+            continue
+        local = _convert(name, _TO_LOCAL)
+        if local is None:
+            unexpected.append(key)
+        elif local not in mapping or name == _PG + "lm_head.weight":
+            mapping[local] = (f, key)
+    if unexpected:
+        hint = ""
+        if any("state_proj" in k or "action_time_mlp" in k for k in unexpected):
+            hint = " (state_proj / action_time_mlp_* with a state token: this looks like a π0, not a π0.5, checkpoint)"
+        elif any(k.endswith("layernorm.weight") and "gemma_expert" in k for k in unexpected):
+            hint = " (expert RMSNorm weights: π0.5's expert uses adaRMSNorm, this checkpoint was not trained with it)"
+        raise CheckpointError(f"{path}: {len(unexpected)} unexpected key(s){hint}: {_listing(unexpected)}")
+    return fmt, mapping
+
+
+def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "cpu",
+              dtype: torch.dtype = torch.float32) -> Pi05:
+    """Build the model for `cfg` and fill it from the checkpoint at `path` (directory or file)."""
+    fmt, mapping = read_key_map(path)
+    with torch.device("meta"):
+        model = Pi05(cfg)
+    expected = dict(model.named_parameters())
+    missing = [openpi_name(n) for n in expected if n not in mapping]
+    if missing:
+        raise CheckpointError(f"{path} ({fmt} format): {len(missing)} missing key(s): {_listing(missing)}")
+    state, mismatched = {}, []
+    handles = {}
+    try:
+        for name, param in expected.items():
+            f, key = mapping[name]
+            if f not in handles:
+                handles[f] = safe_open(str(f), framework="pt", device="cpu")
+            shape = tuple(handles[f].get_slice(key).get_shape())
+            if shape != tuple(param.shape):
+                mismatched.append(f"{key} has shape {list(shape)}, the config expects {list(param.shape)}")
+                continue
+            state[name] = handles[f].get_tensor(key).to(device=device, dtype=dtype)
+    finally:
+        handles.clear()
+    if mismatched:
+        raise CheckpointError(f"{path}: {len(mismatched)} tensor(s) do not match the model config "
+                              f"(wrong preset or sizes?): " + "; ".join(mismatched[:8])
+                              + (f" ... and {len(mismatched) - 8} more" if len(mismatched) > 8 else ""))
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval().requires_grad_(False)
+
+
+def save_checkpoint(model: Pi05, path: str | Path, fmt: str = "openpi") -> Path:
+    """Write `model` in openpi or LeRobot layout (what real checkpoints look like; used by tests and the
+    demo). openpi stores the tied embedding once (as lm_head); LeRobot prefixes `model.` and stores both."""
+    if fmt not in ("openpi", "lerobot"):
+        raise ValueError(f"unknown checkpoint format {fmt!r}")
+    tensors = {openpi_name(n): p.detach().contiguous() for n, p in model.named_parameters()}
+    if fmt == "lerobot":
+        tensors[_LM + "embed_tokens.weight"] = tensors[_PG + "lm_head.weight"].clone()
+        tensors = {"model." + k: v for k, v in tensors.items()}
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    out = path / "model.safetensors"
+    save_file(tensors, str(out), metadata={"format": "pt"})
+    return out

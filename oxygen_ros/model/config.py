@@ -1,0 +1,204 @@
+"""Sizes and constants of a π0.5 model: presets, and configs read from files.
+
+Three sources of a config, one dataclass:
+- presets: `pi05` (the paper's sizes), `bench` (a ~210 M-parameter model for CPU benchmarks) and `tiny`
+  (a few million parameters: the demo and the tests);
+- an oracle case's config.json (../shared/oracle/*/config.json), see `from_oracle_json`;
+- a YAML/JSON file with the same field names as `Pi05Config` (nested `vlm`, `expert`, `vision`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CAMERA_SLOTS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
+PREFIX_MODES = ("bidirectional", "causal")
+
+
+@dataclass(frozen=True)
+class GemmaConfig:
+    width: int
+    depth: int
+    mlp_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    width: int
+    depth: int
+    mlp_dim: int
+    num_heads: int
+    patch_size: int = 14
+    image_size: int = 224
+    layer_norm_eps: float = 1e-6
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+@dataclass(frozen=True)
+class Pi05Config:
+    vlm: GemmaConfig
+    expert: GemmaConfig
+    vision: VisionConfig
+    vocab_size: int
+    action_dim: int = 32
+    action_horizon: int = 10
+    max_token_len: int = 200
+    num_denoise_steps: int = 10
+    # Upstream openpi (what the official checkpoints were trained with) lets the whole valid prefix attend
+    # bidirectionally; the OxyGen code makes language tokens causal. Same weights, different actions.
+    prefix_language_attention: str = "bidirectional"
+    time_min_period: float = 4e-3
+    time_max_period: float = 4.0
+    camera_slots: tuple[str, ...] = CAMERA_SLOTS
+
+    def __post_init__(self):
+        problems = []
+        if self.prefix_language_attention not in PREFIX_MODES:
+            problems.append(f"prefix_language_attention must be one of {PREFIX_MODES}, "
+                            f"got {self.prefix_language_attention!r}")
+        # The expert's queries attend to the VLM's cached K/V at every layer (mixture of transformers).
+        for name in ("depth", "num_kv_heads", "head_dim"):
+            if getattr(self.vlm, name) != getattr(self.expert, name):
+                problems.append(f"expert {name} ({getattr(self.expert, name)}) must equal the VLM's "
+                                f"({getattr(self.vlm, name)})")
+        for part in (self.vlm, self.expert):
+            if part.num_heads % part.num_kv_heads:
+                problems.append(f"num_heads {part.num_heads} is not a multiple of num_kv_heads {part.num_kv_heads}")
+            if part.head_dim % 2:
+                problems.append(f"head_dim {part.head_dim} must be even (RoPE)")
+        if self.vision.width % self.vision.num_heads:
+            problems.append(f"vision width {self.vision.width} is not a multiple of its {self.vision.num_heads} heads")
+        if self.vision.image_size % self.vision.patch_size:
+            problems.append("vision image_size must be a multiple of patch_size")
+        if self.expert.width % 2:
+            problems.append("expert width must be even (sin/cos time embedding)")
+        for name in ("action_dim", "action_horizon", "max_token_len", "num_denoise_steps", "vocab_size"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        if problems:
+            raise ValueError("invalid model config: " + "; ".join(problems))
+
+    @property
+    def image_tokens(self) -> int:
+        return self.vision.num_patches
+
+    def replace(self, **changes) -> "Pi05Config":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Pi05Config":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown model config keys: {unknown}")
+        d = dict(d)
+        d["vlm"] = GemmaConfig(**d["vlm"])
+        d["expert"] = GemmaConfig(**d["expert"])
+        d["vision"] = VisionConfig(**d["vision"])
+        if "camera_slots" in d:
+            d["camera_slots"] = tuple(d["camera_slots"])
+        return cls(**d)
+
+
+def num_parameters(cfg: Pi05Config) -> int:
+    """Parameter count of the model as this package builds it (tied embedding counted once)."""
+    def gemma(c: GemmaConfig, ada: bool) -> int:
+        attn = c.width * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+        mlp = 3 * c.width * c.mlp_dim
+        norm = 2 * (c.width * 3 * c.width + 3 * c.width) if ada else 2 * c.width
+        final = (c.width * 3 * c.width + 3 * c.width) if ada else c.width
+        return c.depth * (attn + mlp + norm) + final
+
+    v = cfg.vision
+    vision = (3 * v.patch_size**2 * v.width + v.width + v.num_patches * v.width
+              + v.depth * (4 * (v.width * v.width + v.width) + 2 * v.width * v.mlp_dim + v.mlp_dim + v.width
+                           + 4 * v.width) + 2 * v.width)
+    projector = v.width * cfg.vlm.width + cfg.vlm.width
+    we = cfg.expert.width
+    action_io = (cfg.action_dim * we + we) + (we * cfg.action_dim + cfg.action_dim) + 2 * (we * we + we)
+    return (vision + projector + cfg.vocab_size * cfg.vlm.width + gemma(cfg.vlm, False)
+            + gemma(cfg.expert, True) + action_io)
+
+
+PRESETS: dict[str, Pi05Config] = {
+    # Paper sizes: PaliGemma (SigLIP So400m + Gemma 2B) and the Gemma 300M action expert.
+    "pi05": Pi05Config(
+        vlm=GemmaConfig(width=2048, depth=18, mlp_dim=16384, num_heads=8, num_kv_heads=1, head_dim=256),
+        expert=GemmaConfig(width=1024, depth=18, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=256),
+        vision=VisionConfig(width=1152, depth=27, mlp_dim=4304, num_heads=16),
+        vocab_size=257152, action_dim=32, action_horizon=10, max_token_len=200,
+    ),
+    # Big enough that the weights (~0.8 GB in float32) do not fit in CPU caches, so decode is
+    # memory-bound as on a GPU; small enough for a benchmark of a few minutes on 2 cores.
+    "bench": Pi05Config(
+        vlm=GemmaConfig(width=1024, depth=8, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=128),
+        expert=GemmaConfig(width=512, depth=8, mlp_dim=2048, num_heads=8, num_kv_heads=1, head_dim=128),
+        vision=VisionConfig(width=384, depth=6, mlp_dim=1536, num_heads=6),
+        vocab_size=32768, action_dim=32, action_horizon=10, max_token_len=64,
+    ),
+    # A few million parameters: runs the whole demo on 2 CPU cores. Vocabulary = the shipped tokenizer's.
+    "tiny": Pi05Config(
+        vlm=GemmaConfig(width=256, depth=4, mlp_dim=1024, num_heads=4, num_kv_heads=1, head_dim=64),
+        expert=GemmaConfig(width=128, depth=4, mlp_dim=512, num_heads=4, num_kv_heads=1, head_dim=64),
+        vision=VisionConfig(width=128, depth=2, mlp_dim=512, num_heads=4),
+        vocab_size=1024, action_dim=32, action_horizon=10, max_token_len=64,
+    ),
+}
+
+
+def preset(name: str) -> Pi05Config:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}") from None
+
+
+def from_oracle_json(path: str | Path) -> Pi05Config:
+    """Config of an oracle case (../shared/oracle/<case>/config.json)."""
+    c = json.loads(Path(path).read_text())
+
+    def gemma(g: dict) -> GemmaConfig:
+        return GemmaConfig(width=g["width"], depth=g["depth"], mlp_dim=g["mlp_dim"], num_heads=g["num_heads"],
+                           num_kv_heads=g["num_kv_heads"], head_dim=g["head_dim"], rms_eps=g["rms_norm_eps"],
+                           rope_theta=g["rope_theta"])
+
+    v = c["vision"]
+    return Pi05Config(
+        vlm=gemma(c["vlm"]), expert=gemma(c["expert"]),
+        vision=VisionConfig(width=v["hidden_size"], depth=v["num_hidden_layers"], mlp_dim=v["intermediate_size"],
+                            num_heads=v["num_attention_heads"], patch_size=v["patch_size"],
+                            image_size=v["image_size"], layer_norm_eps=v["layer_norm_eps"]),
+        vocab_size=c["vocab_size"], action_dim=c["action_dim"], action_horizon=c["action_horizon"],
+        max_token_len=c["max_token_len"], num_denoise_steps=c["num_denoise_steps"],
+        prefix_language_attention=c["prefix_language_attention"],
+        time_min_period=c["time_embedding"]["min_period"], time_max_period=c["time_embedding"]["max_period"],
+        camera_slots=tuple(c["image_keys"]),
+    )
+
+
+def load_config(path: str | Path) -> Pi05Config:
+    """A model config file: JSON or YAML with Pi05Config's field names."""
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml  # safe_load only: config files never execute code
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a model config must be a mapping")
+    return Pi05Config.from_dict(data)

@@ -1,0 +1,152 @@
+"""π0.5 in plain PyTorch: SigLIP -> projector -> Gemma (the VLM) and the Gemma action expert with
+adaRMSNorm, coupled per layer (mixture of transformers: at layer l the expert's queries attend to the
+VLM's layer-l prefix K/V plus the action tokens' own K/V).
+
+Three operations, each batched over rows with per-row lengths, each reading/writing K/V only through an
+attention object (see attention.py):
+- `prefill`: images + prompt -> prefix K/V in the pool, and the hidden state of each row's last token;
+- `denoise_step` / `sample_actions`: flow-matching velocity of the action expert over a read-only prefix;
+- `extend`: append text tokens (a question, or one generated token per row) after a prefix.
+
+A prefix holds only valid tokens: an absent camera or prompt padding is never computed or stored. The
+reference pads instead, but a masked token can never influence a valid one, so the valid outputs are the
+same (positions = cumsum(valid) - 1 is exactly the index in the compacted sequence).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import ActionAttention, CachedAttention
+from .config import Pi05Config
+from .gemma import AdaRMSNorm, GemmaLayer, RMSNorm, rope_cos_sin
+from .siglip import SiglipVision
+
+
+@dataclass
+class PrefixRow:
+    """One observation's prefix input: the valid cameras' images (slot order) and the prompt tokens."""
+
+    images: torch.Tensor   # [n_cameras, 3, H, W] float in [-1, 1], already resized to the model's size
+    tokens: torch.Tensor   # [n_tokens] int64, BOS first, no padding
+
+
+class Pi05(nn.Module):
+    def __init__(self, cfg: Pi05Config):
+        super().__init__()
+        self.cfg = cfg
+        self.vision = SiglipVision(cfg.vision)
+        self.projector = nn.Linear(cfg.vision.width, cfg.vlm.width)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.vlm.width)  # also the LM head (tied)
+        self.vlm_layers = nn.ModuleList(GemmaLayer(cfg.vlm, adaptive=False) for _ in range(cfg.vlm.depth))
+        self.vlm_norm = RMSNorm(cfg.vlm.width, cfg.vlm.rms_eps)
+        we = cfg.expert.width
+        self.expert_layers = nn.ModuleList(GemmaLayer(cfg.expert, adaptive=True) for _ in range(cfg.expert.depth))
+        self.expert_norm = AdaRMSNorm(we, cfg.expert.rms_eps)
+        self.action_in_proj = nn.Linear(cfg.action_dim, we)
+        self.action_out_proj = nn.Linear(we, cfg.action_dim)
+        self.time_mlp_in = nn.Linear(we, we)
+        self.time_mlp_out = nn.Linear(we, we)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    # ------------------------------------------------------------------ prefix
+    def prefix_bidir(self, row: PrefixRow) -> int:
+        """How many leading prefix tokens attend to each other bidirectionally (see kernels/ops.py)."""
+        n_image = row.images.shape[0] * self.cfg.image_tokens
+        if self.cfg.prefix_language_attention == "bidirectional":
+            return n_image + row.tokens.numel()
+        return n_image  # OxyGen: images bidirectional, language causal
+
+    def prefix_length(self, row: PrefixRow) -> int:
+        return row.images.shape[0] * self.cfg.image_tokens + row.tokens.numel()
+
+    def embed_text(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens) * math.sqrt(self.cfg.vlm.width)
+
+    def embed_prefix(self, rows: list[PrefixRow]) -> torch.Tensor:
+        """Packed prefix embeddings [sum of prefix lengths, width]: per row, its images' tokens then its
+        prompt's. All rows' images go through SigLIP together. Image tokens are not scaled."""
+        images = [r.images for r in rows if r.images.shape[0]]
+        if images:
+            feats = self.projector(self.vision(torch.cat(images).to(self.device)))
+            feats = feats.reshape(-1, self.cfg.image_tokens, feats.shape[-1]).to(self.dtype)
+        parts, cam = [], 0
+        for r in rows:
+            n = r.images.shape[0]
+            if n:
+                parts.append(feats[cam:cam + n].reshape(-1, feats.shape[-1]))
+                cam += n
+            parts.append(self.embed_text(r.tokens.to(self.device)))
+        return torch.cat(parts)
+
+    def prefill(self, rows: list[PrefixRow], attn: CachedAttention) -> torch.Tensor:
+        """Run the VLM over the rows' prefixes, storing K/V through `attn`; returns the final-norm hidden
+        state of each row's last prefix token [R, width] (its logits predict the first text token)."""
+        return self._vlm(self.embed_prefix(rows), attn)
+
+    def extend(self, tokens: torch.Tensor, attn: CachedAttention) -> torch.Tensor:
+        """Append packed text tokens [T] (rows per `attn`); returns each row's last hidden state [R, width]."""
+        return self._vlm(self.embed_text(tokens.to(self.device)), attn)
+
+    def _vlm(self, x: torch.Tensor, attn: CachedAttention) -> torch.Tensor:
+        c = self.cfg.vlm
+        cos, sin = rope_cos_sin(attn.positions, c.head_dim, c.rope_theta, x.dtype)
+        for i, layer in enumerate(self.vlm_layers):
+            x = layer(x, cos, sin, attn.layer(i))
+        # Only the last token of each row is ever read, so only it goes through the final norm.
+        return self.vlm_norm(x[attn.last_token])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied LM head: [R, width] -> [R, vocab] float32 (greedy decoding only needs their argmax)."""
+        return F.linear(hidden, self.embed_tokens.weight).float()
+
+    # ------------------------------------------------------------------ actions
+    def time_condition(self, t: torch.Tensor) -> torch.Tensor:
+        """adaRMS condition [R, expert width] from flow-matching times t [R] (float32)."""
+        we = self.cfg.expert.width
+        fraction = torch.linspace(0.0, 1.0, we // 2, dtype=torch.float64, device=t.device)
+        period = self.cfg.time_min_period * (self.cfg.time_max_period / self.cfg.time_min_period) ** fraction
+        arg = (1.0 / period * 2 * math.pi)[None, :] * t[:, None]
+        emb = torch.cat([torch.sin(arg), torch.cos(arg)], dim=1).to(t.dtype).to(self.dtype)
+        return F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(emb))))
+
+    def denoise_step(self, x_t: torch.Tensor, t: torch.Tensor, attn: ActionAttention) -> torch.Tensor:
+        """Velocity v [R, H, action_dim] (float32) of noisy actions x_t [R, H, action_dim] at times t [R]."""
+        c = self.cfg.expert
+        rows, horizon, _ = x_t.shape
+        cond = self.time_condition(t)
+        x = self.action_in_proj(x_t.to(self.dtype)).reshape(rows * horizon, c.width)
+        cos, sin = rope_cos_sin(attn.positions, c.head_dim, c.rope_theta, x.dtype)
+        for i, layer in enumerate(self.expert_layers):
+            x = layer(x, cos, sin, attn.layer(i), cond=cond, token_rows=attn.token_rows)
+        mod = tuple(part[attn.token_rows] for part in self.expert_norm.modulation(cond))
+        x, _ = self.expert_norm(x, mod)
+        return self.action_out_proj(x.float().to(self.action_out_proj.weight.dtype)).float().reshape(
+            rows, horizon, -1)
+
+    def sample_actions(self, noise: torch.Tensor, attn: ActionAttention, steps: int | None = None,
+                       record: list | None = None) -> torch.Tensor:
+        """Euler integration of the flow from noise (t = 1) to actions (t = 0), in `steps` steps.
+        The float32 time arithmetic matches the reference exactly (t += dt, stop when t < -dt/2)."""
+        steps = steps or self.cfg.num_denoise_steps
+        dt = torch.tensor(-1.0 / steps, dtype=torch.float32)
+        t = torch.tensor(1.0, dtype=torch.float32)
+        x = noise.float().to(self.device)
+        while t >= -dt / 2:
+            v = self.denoise_step(x, t.expand(x.shape[0]).to(self.device), attn)
+            if record is not None:
+                record.append((float(t), x.clone(), v.clone()))
+            x = x + dt.to(self.device) * v
+            t = t + dt
+        return x
