@@ -118,19 +118,25 @@ def _attend_segments(q: torch.Tensor, segments: list) -> torch.Tensor:
     n, heads, hd = q.shape
     kvh = segments[0][0].shape[1]
     g = heads // kvh
-    qg = q.float().view(n, kvh, g, hd).permute(1, 2, 0, 3)              # [kvh, g, n, hd]
-    scores = []
-    for k, _, mask in segments:
-        s = torch.matmul(qg, k.float().permute(1, 2, 0)[:, None])          # [kvh, g, n, S]
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
-        scores.append(s)
-    p = torch.softmax(torch.cat(scores, dim=-1) * hd ** -0.5, dim=-1)
-    out, start = 0, 0
-    for k, v, _ in segments:
-        out = out + torch.matmul(p[..., start:start + k.shape[0]], v.float().permute(1, 0, 2)[:, None])
-        start += k.shape[0]
-    return out.permute(2, 0, 1, 3).reshape(n, heads, hd).to(q.dtype)
+    # Per KV head, the g query heads of its group and the n tokens form one [g*n, hd] matrix, so each
+    # segment costs two plain 2-D matmuls (multi-query attention has a single KV head).
+    qg = q.float().view(n, kvh, g, hd).permute(1, 2, 0, 3).reshape(kvh, g * n, hd)
+    out = torch.empty(kvh, g * n, hd, dtype=torch.float32, device=q.device)
+    for h in range(kvh):
+        scores = []
+        for k, _, mask in segments:
+            s = qg[h] @ k[:, h].float().T                                   # [g*n, S]
+            if mask is not None:
+                s = s.view(g, n, -1).masked_fill(~mask, float("-inf")).view(g * n, -1)
+            scores.append(s)
+        p = torch.softmax(torch.cat(scores, dim=-1) * hd ** -0.5, dim=-1)
+        acc, start = None, 0
+        for k, v, _ in segments:
+            part = p[:, start:start + k.shape[0]] @ v[:, h].float()
+            acc = part if acc is None else acc + part
+            start += k.shape[0]
+        out[h] = acc
+    return out.view(kvh, g, n, hd).permute(2, 0, 1, 3).reshape(n, heads, hd).to(q.dtype)
 
 
 def torch_cached_attention(q, k, v, k_cache, v_cache, meta: CachedMeta) -> torch.Tensor:
@@ -176,6 +182,68 @@ def torch_action_attention(q, k, v, k_cache, v_cache, meta: ActionMeta) -> torch
     return out
 
 
+# ---------------------------------------------------------------------------------------------- norms
+# Gemma norms compute the statistics in float32 whatever the storage dtype, and return the input dtype.
+
+def torch_rms_norm(x, weight, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def torch_ada_rms_norm(x, scale, shift, eps):
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + scale.float()) + shift.float()
+    return y.to(x.dtype)
+
+
+def rms_norm(x, weight, eps: float, backend: str):
+    """y = x / rms(x) * (1 + weight)."""
+    if backend == "triton":
+        from . import triton_norms
+
+        return triton_norms.rms_norm(x, weight, eps)
+    return torch_rms_norm(x, weight, eps)
+
+
+def ada_rms_norm(x, scale, shift, eps: float, backend: str):
+    """y = x / rms(x) * (1 + scale) + shift, scale/shift per token [T, width]."""
+    if backend == "triton":
+        from . import triton_norms
+
+        return triton_norms.ada_rms_norm(x, scale, shift, eps)
+    return torch_ada_rms_norm(x, scale, shift, eps)
+
+
+def residual_rms_norm(x, branch, weight, eps: float, backend: str):
+    """(x + branch, rms_norm(x + branch)): the residual add fused with the next norm."""
+    if backend == "triton":
+        from . import triton_norms
+
+        return triton_norms.residual_rms_norm(x, branch, weight, eps)
+    x = x + branch
+    return x, torch_rms_norm(x, weight, eps)
+
+
+def residual_ada_rms_norm(x, branch, gate, scale, shift, eps: float, backend: str):
+    """(x + branch * gate, ada_rms_norm(that)): π0.5's gated residual fused with the next adaRMSNorm."""
+    if backend == "triton":
+        from . import triton_norms
+
+        return triton_norms.residual_ada_rms_norm(x, branch, gate, scale, shift, eps)
+    x = x + branch * gate
+    return x, torch_ada_rms_norm(x, scale, shift, eps)
+
+
+def gelu_tanh_mul(gate, up, backend: str):
+    """Gemma's gated MLP activation: gelu_tanh(gate) * up."""
+    if backend == "triton":
+        from . import triton_norms
+
+        return triton_norms.gelu_tanh_mul(gate, up)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+# ---------------------------------------------------------------------------------------------- dispatch
 def cached_attention(q, k, v, k_cache, v_cache, meta: CachedMeta, backend: str) -> torch.Tensor:
     if backend == "triton":
         from . import triton_attention

@@ -195,3 +195,39 @@ def save_checkpoint(model: Pi05, path: str | Path, fmt: str = "openpi") -> Path:
     out = path / "model.safetensors"
     save_file(tensors, str(out), metadata={"format": "pt"})
     return out
+
+
+@torch.no_grad()
+def init_random_weights(model: Pi05, seed: int = 0) -> Pi05:
+    """Deterministic random weights with no parameter left at 0 or 1 (the oracle cases' scheme): the
+    embedded demo model and the tests' models. Linear weights ~ N(0, 1/fan_in) with the oracle's gains
+    (VLM q/k x2, attention v/o x2, MLP down x4), so greedy text does not just repeat its input."""
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(shape, std):
+        return torch.randn(shape, generator=g, dtype=torch.float64).mul_(std).to(torch.float32)
+
+    for name, p in sorted(model.named_parameters()):
+        if name.startswith("vision.") and ("layer_norm" in name or "post_layernorm" in name):
+            value = (1.0 + normal(p.shape, 0.1)) if name.endswith("weight") else normal(p.shape, 0.1)
+        elif name == "vision.position_embedding":
+            value = normal(p.shape, 0.3)
+        elif name == "vision.patch_embedding.weight":
+            value = normal(p.shape, (3 * p.shape[-1] * p.shape[-2]) ** -0.5)
+        elif name == "embed_tokens.weight":
+            value = normal(p.shape, p.shape[1] ** -0.5)
+        elif name.endswith("norm.weight"):
+            value = normal(p.shape, 0.1)                       # applied as (1 + w)
+        elif name.endswith("bias"):
+            value = normal(p.shape, 0.2 if ".dense." in name else 0.1)
+        else:
+            gain = 1.0
+            if name.startswith("vlm_layers") and (".q_proj" in name or ".k_proj" in name):
+                gain = 2.0
+            elif ".v_proj" in name or ".o_proj" in name:
+                gain = 2.0
+            elif ".down_proj" in name:
+                gain = 4.0
+            value = normal(p.shape, gain / p.shape[1] ** 0.5)
+        p.copy_(value.to(p.dtype))
+    return model

@@ -147,14 +147,14 @@ PRESETS: dict[str, Pi05Config] = {
         vlm=GemmaConfig(width=1024, depth=8, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=128),
         expert=GemmaConfig(width=512, depth=8, mlp_dim=2048, num_heads=8, num_kv_heads=1, head_dim=128),
         vision=VisionConfig(width=384, depth=6, mlp_dim=1536, num_heads=6),
-        vocab_size=32768, action_dim=32, action_horizon=10, max_token_len=64,
+        vocab_size=32768, action_dim=32, action_horizon=10, max_token_len=100,
     ),
     # A few million parameters: runs the whole demo on 2 CPU cores. Vocabulary = the shipped tokenizer's.
     "tiny": Pi05Config(
         vlm=GemmaConfig(width=256, depth=4, mlp_dim=1024, num_heads=4, num_kv_heads=1, head_dim=64),
         expert=GemmaConfig(width=128, depth=4, mlp_dim=512, num_heads=4, num_kv_heads=1, head_dim=64),
         vision=VisionConfig(width=128, depth=2, mlp_dim=512, num_heads=4),
-        vocab_size=1024, action_dim=32, action_horizon=10, max_token_len=64,
+        vocab_size=1000, action_dim=32, action_horizon=10, max_token_len=96,
     ),
 }
 

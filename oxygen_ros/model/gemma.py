@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from oxygen_ros.kernels import ops as kernel_ops
 
 from .config import GemmaConfig
 
@@ -18,39 +19,27 @@ from .config import GemmaConfig
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    # Variance in float32 whatever the storage dtype (as the reference does for bf16).
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-
-
 class RMSNorm(nn.Module):
-    """Gemma RMSNorm: the weight is stored as an offset from 1."""
+    """Gemma RMSNorm: the weight is stored as an offset from 1 (y = x / rms(x) * (1 + w))."""
 
     def __init__(self, width: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(width))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (rms_norm(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
-
 
 class AdaRMSNorm(nn.Module):
-    """π0.5's adaptive RMSNorm: scale, shift and a residual gate computed from the flow-matching time."""
+    """π0.5's adaptive RMSNorm: scale, shift and a residual gate computed from the flow-matching time
+    (y = x / rms(x) * (1 + scale) + shift; the gate multiplies the branch added to the residual)."""
 
     def __init__(self, width: int, eps: float):
         super().__init__()
         self.eps = eps
         self.dense = nn.Linear(width, 3 * width)
 
-    def modulation(self, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.dense(cond).chunk(3, dim=-1)  # scale, shift, gate
-
-    def forward(self, x: torch.Tensor, mod: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
-        scale, shift, gate = mod
-        y = rms_norm(x, self.eps) * (1.0 + scale.float()) + shift.float()
-        return y.to(x.dtype), gate.to(x.dtype)
+    def modulation(self, cond: torch.Tensor, token_rows: torch.Tensor):
+        """(scale, shift, gate), each [T, width]: computed once per row, then given to the row's tokens."""
+        return tuple(part[token_rows] for part in self.dense(cond).chunk(3, dim=-1))
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -90,28 +79,27 @@ class GemmaLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.mlp_dim, w, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
-                cond: torch.Tensor | None = None, token_rows: torch.Tensor | None = None) -> torch.Tensor:
+                cond: torch.Tensor | None = None, token_rows: torch.Tensor | None = None,
+                backend: str = "torch") -> torch.Tensor:
         """x [T, width]. Expert only: cond [R, width] is the time condition of each row and token_rows [T]
-        the row of each token; the modulation is computed once per row, then spread over its tokens."""
-        cfg = self.cfg
+        the row of each token."""
+        cfg, eps = self.cfg, self.cfg.rms_eps
         if self.adaptive:
-            h, gate = self.input_norm(x, self._modulation(self.input_norm, cond, token_rows))
+            scale, shift, gate_attn = self.input_norm.modulation(cond, token_rows)
+            post_scale, post_shift, gate_mlp = self.post_attention_norm.modulation(cond, token_rows)
+            h = kernel_ops.ada_rms_norm(x, scale, shift, eps, backend)
         else:
-            h, gate = self.input_norm(x), None
+            gate_attn = gate_mlp = None
+            h = kernel_ops.rms_norm(x, self.input_norm.weight, eps, backend)
         t = x.shape[0]
         q = apply_rope(self.q_proj(h).view(t, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rope(self.k_proj(h).view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = self.v_proj(h).view(t, cfg.num_kv_heads, cfg.head_dim)
         a = self.o_proj(attend(q, k, v).reshape(t, cfg.num_heads * cfg.head_dim))
-        x = x + a if gate is None else x + a * gate
-
+        # Residual add fused with the next norm: x + a (* gate), then its (ada)RMSNorm.
         if self.adaptive:
-            h, gate = self.post_attention_norm(x, self._modulation(self.post_attention_norm, cond, token_rows))
+            x, h = kernel_ops.residual_ada_rms_norm(x, a, gate_attn, post_scale, post_shift, eps, backend)
         else:
-            h, gate = self.post_attention_norm(x), None
-        m = self.down_proj(F.gelu(self.gate_proj(h), approximate="tanh") * self.up_proj(h))
-        return x + m if gate is None else x + m * gate
-
-    @staticmethod
-    def _modulation(norm: AdaRMSNorm, cond: torch.Tensor, token_rows: torch.Tensor):
-        return tuple(part[token_rows] for part in norm.modulation(cond))
+            x, h = kernel_ops.residual_rms_norm(x, a, self.post_attention_norm.weight, eps, backend)
+        m = self.down_proj(kernel_ops.gelu_tanh_mul(self.gate_proj(h), self.up_proj(h), backend))
+        return x + m if gate_mlp is None else x + m * gate_mlp

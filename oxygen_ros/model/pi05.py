@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from oxygen_ros.kernels import ops as kernel_ops
+
 from .attention import ActionAttention, CachedAttention
 from .config import Pi05Config
 from .gemma import AdaRMSNorm, GemmaLayer, RMSNorm, rope_cos_sin
@@ -51,6 +53,9 @@ class Pi05(nn.Module):
         self.action_out_proj = nn.Linear(we, cfg.action_dim)
         self.time_mlp_in = nn.Linear(we, we)
         self.time_mlp_out = nn.Linear(we, we)
+        # Which implementation of the norms/activation the layers use: "torch" or "triton" (CUDA).
+        # Attention objects carry their own backend (chosen with the cache, see attention.py).
+        self.backend = "torch"
 
     @property
     def device(self) -> torch.device:
@@ -103,9 +108,9 @@ class Pi05(nn.Module):
         c = self.cfg.vlm
         cos, sin = rope_cos_sin(attn.positions, c.head_dim, c.rope_theta, x.dtype)
         for i, layer in enumerate(self.vlm_layers):
-            x = layer(x, cos, sin, attn.layer(i))
+            x = layer(x, cos, sin, attn.layer(i), backend=self.backend)
         # Only the last token of each row is ever read, so only it goes through the final norm.
-        return self.vlm_norm(x[attn.last_token])
+        return kernel_ops.rms_norm(x[attn.last_token], self.vlm_norm.weight, self.cfg.vlm.rms_eps, self.backend)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head: [R, width] -> [R, vocab] float32 (greedy decoding only needs their argmax)."""
@@ -129,9 +134,9 @@ class Pi05(nn.Module):
         x = self.action_in_proj(x_t.to(self.dtype)).reshape(rows * horizon, c.width)
         cos, sin = rope_cos_sin(attn.positions, c.head_dim, c.rope_theta, x.dtype)
         for i, layer in enumerate(self.expert_layers):
-            x = layer(x, cos, sin, attn.layer(i), cond=cond, token_rows=attn.token_rows)
-        mod = tuple(part[attn.token_rows] for part in self.expert_norm.modulation(cond))
-        x, _ = self.expert_norm(x, mod)
+            x = layer(x, cos, sin, attn.layer(i), cond=cond, token_rows=attn.token_rows, backend=self.backend)
+        scale, shift, _ = self.expert_norm.modulation(cond, attn.token_rows)  # the final norm's gate is unused
+        x = kernel_ops.ada_rms_norm(x, scale, shift, c.rms_eps, self.backend)
         return self.action_out_proj(x.float().to(self.action_out_proj.weight.dtype)).float().reshape(
             rows, horizon, -1)
 

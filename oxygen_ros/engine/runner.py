@@ -1,0 +1,151 @@
+"""ModelRunner: the engine's only door to the model. Turns observations into prefix rows, runs prefill,
+action sampling and text extension on the KV pool, and converts actions to robot units.
+
+Everything here runs on the engine thread, which owns the device.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from oxygen_ros.model.attention import ActionAttention, CachedAttention, CachedRow, Segment
+from oxygen_ros.model.normalize import Normalizer
+from oxygen_ros.model.pi05 import Pi05, PrefixRow
+from oxygen_ros.model.preprocess import to_pixels
+from oxygen_ros.model.tokenizer import Tokenizer
+from oxygen_ros.robot.errors import InputError
+
+from .kv_pool import FrameCache, KVPool
+from .requests import ActiveRequest
+
+
+class EngineFault(RuntimeError):
+    """A model computation produced something unusable (NaN/inf): the frame's results are discarded."""
+
+
+@dataclass
+class PreparedFrame:
+    row: PrefixRow
+    stamp: float
+    prompt_truncated: int       # prompt tokens cut off to fit max_token_len (reported, not silent)
+    images: list                # the valid cameras' pixels, reused by subtask mode
+    state: np.ndarray           # normalised state
+
+
+class ModelRunner:
+    def __init__(self, model: Pi05, tokenizer: Tokenizer, pool: KVPool, normalizer: Normalizer | None = None,
+                 backend: str = "torch", state_in_prompt: bool = True, robot_action_dim: int | None = None):
+        cfg = model.cfg
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"tokenizer has {tokenizer.vocab_size} pieces, the model only {cfg.vocab_size}")
+        if robot_action_dim is not None and not 0 < robot_action_dim <= cfg.action_dim:
+            raise ValueError(f"robot action dim {robot_action_dim} must be in 1..{cfg.action_dim}")
+        self.model, self.tokenizer, self.pool = model, tokenizer, pool
+        self.normalizer = normalizer or Normalizer.identity()
+        self.backend = backend
+        self.state_in_prompt = state_in_prompt
+        self.robot_action_dim = robot_action_dim or cfg.action_dim
+        self.cfg = cfg
+
+    # ------------------------------------------------------------------ sizes
+    def max_prefix_tokens(self) -> int:
+        return len(self.cfg.camera_slots) * self.cfg.image_tokens + self.cfg.max_token_len
+
+    def prefix_blocks(self, row: PrefixRow) -> int:
+        return self.pool.blocks_for(self.model.prefix_length(row))
+
+    # ------------------------------------------------------------------ observation -> prefix
+    def prepare(self, obs, task: str | None = None) -> PreparedFrame:
+        """Validate and convert an observation (oxygen_ros.robot.sync.Observation or alike)."""
+        images = []
+        for slot in self.cfg.camera_slots:
+            img = obs.images.get(slot)
+            if obs.image_masks.get(slot, False) and img is not None:
+                try:
+                    images.append(to_pixels(img, self.cfg.vision.image_size))
+                except ValueError as e:
+                    raise InputError(f"camera '{slot}': {e}") from None
+        if not images:
+            raise InputError("observation has no valid camera image")
+        state = np.asarray(obs.state, dtype=np.float64)
+        if state.ndim != 1 or not np.all(np.isfinite(state)):
+            raise InputError(f"state must be a finite vector, got {state.tolist()[:8]}")
+        state = self.normalizer.normalize_state(state)
+        prompt = self.tokenizer.action_prompt(obs.prompt if task is None else task,
+                                              state if self.state_in_prompt else None, self.cfg.max_token_len)
+        pixels = torch.stack(images)
+        return PreparedFrame(PrefixRow(pixels, torch.tensor(prompt.tokens, dtype=torch.long)), obs.stamp_s,
+                             prompt.truncated, images, state)
+
+    def retokenize(self, frame: PreparedFrame, task: str) -> PreparedFrame:
+        """Same images and state, another task text (π0.5 subtask mode)."""
+        prompt = self.tokenizer.action_prompt(task, frame.state if self.state_in_prompt else None,
+                                              self.cfg.max_token_len)
+        return PreparedFrame(PrefixRow(frame.row.images, torch.tensor(prompt.tokens, dtype=torch.long)),
+                             frame.stamp, prompt.truncated, frame.images, frame.state)
+
+    @torch.inference_mode()
+    def prefill(self, frame: PreparedFrame, frame_index: int, tokens: list[int] | None = None) -> FrameCache:
+        """Prefill one frame into fresh pool blocks; `tokens` replaces the prompt (subtask generation)."""
+        row = frame.row if tokens is None else PrefixRow(frame.row.images, torch.tensor(tokens, dtype=torch.long))
+        n = self.model.prefix_length(row)
+        blocks = self.pool.allocator.allocate(self.pool.blocks_for(n))
+        try:
+            cached = CachedRow(n_new=n, own=Segment(blocks, n), bidir=self.model.prefix_bidir(row))
+            hidden = self.model.prefill([row], CachedAttention(self.pool.kv, [cached], self.backend,
+                                                               self.model.device))
+            if not torch.isfinite(hidden).all():
+                raise EngineFault(f"frame {frame_index}: prefill produced non-finite values")
+        except BaseException:
+            self.pool.allocator.decref(blocks)
+            raise
+        return FrameCache(self.pool, cached.own, frame_index, frame.stamp, hidden[0])
+
+    @torch.inference_mode()
+    def actions(self, frame: FrameCache, noise: torch.Tensor, steps: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Action chunk of a frame: (model-space actions [H, action_dim], robot units [H, robot_dim])."""
+        attn = ActionAttention(self.pool.kv, [frame.segment], noise.shape[-2], self.backend, self.model.device)
+        x = self.model.sample_actions(noise.reshape(1, *noise.shape[-2:]), attn, steps)[0].cpu().numpy()
+        if not np.all(np.isfinite(x)):
+            raise EngineFault(f"frame {frame.frame_index}: the action expert produced non-finite actions")
+        robot = self.normalizer.unnormalize_actions(x.astype(np.float64))[:, :self.robot_action_dim]
+        return x, robot
+
+    # ------------------------------------------------------------------ text
+    @torch.inference_mode()
+    def extend(self, items: list[tuple[ActiveRequest, list[int]]]) -> torch.Tensor:
+        """Append tokens to each request (its question, or its last sampled token) in one batched forward;
+        returns the logits of each request's last new token [R, vocab] (float32)."""
+        rows = []
+        for req, toks in items:
+            total = req.own_len + len(toks)
+            if total > len(req.blocks) * self.pool.block_size:
+                raise RuntimeError(f"request {req.handle.id} outgrew its {len(req.blocks)} blocks")
+            rows.append(CachedRow(n_new=len(toks), own=Segment(req.blocks, total), prefix=req.frame.segment))
+        tokens = torch.tensor([t for _, toks in items for t in toks], dtype=torch.long)
+        hidden = self.model.extend(tokens, CachedAttention(self.pool.kv, rows, self.backend, self.model.device))
+        for req, toks in items:
+            req.own_len += len(toks)
+        return self.model.logits(hidden)
+
+    @torch.inference_mode()
+    def frame_logits(self, frame: FrameCache) -> torch.Tensor:
+        """Logits of the token after the frame's prefix [1, vocab] (text with no question)."""
+        return self.model.logits(frame.last_hidden[None])
+
+    def question_tokens(self, text: str, template: str) -> list[int]:
+        return self.tokenizer.encode(template.format(text=text)) if text else []
+
+    def request_blocks(self, question_tokens: int, max_tokens: int) -> int:
+        # The last sampled token is never fed back, so a reply of max_tokens stores max_tokens - 1 tokens.
+        return max(1, self.pool.blocks_for(question_tokens + max_tokens - 1))
+
+    def noise(self, generator: torch.Generator) -> torch.Tensor:
+        return torch.randn(self.cfg.action_horizon, self.cfg.action_dim, generator=generator)
+
+
+def finite(x: float) -> bool:
+    return math.isfinite(x)

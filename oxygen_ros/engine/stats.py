@@ -1,0 +1,78 @@
+"""Engine statistics for diagnostics and the benchmark: counters plus a window of recent cycles."""
+from __future__ import annotations
+
+import collections
+import threading
+
+import numpy as np
+
+
+class EngineStats:
+    def __init__(self, horizon: int, frame_period: float, pool, window: int = 200):
+        self.horizon, self.frame_period, self.pool = horizon, frame_period, pool
+        self._cycles = collections.deque(maxlen=window)
+        self._counters: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()
+        self.last_error = ""
+        self.dropped_frames = 0
+        self.active = 0
+        self.queued = 0
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def note_error(self, message: str) -> None:
+        self.last_error = message
+
+    def record(self, report, dropped_frames: int, active: int, queued: int) -> None:
+        with self._lock:
+            self._cycles.append(report)
+            if report.frame_index is not None and not report.fault:
+                self._counters["frames"] += 1
+            self._counters["cycles"] += 1
+            self._counters["tokens"] += report.tokens
+            self._counters["deadline_misses"] += int(report.deadline_missed)
+            self.dropped_frames, self.active, self.queued = dropped_frames, active, queued
+
+    def counter(self, name: str) -> int:
+        with self._lock:
+            return self._counters[name]
+
+    def snapshot(self) -> dict:
+        """Plain numbers over the recent window (frames = cycles that computed an action chunk)."""
+        with self._lock:
+            cycles = list(self._cycles)
+            counters = dict(self._counters)
+        frames = [c for c in cycles if c.frame_index is not None and not c.fault]
+        frame_s = np.array([c.duration_s for c in frames]) if frames else np.zeros(0)
+        wall = sum(c.duration_s for c in cycles)
+        batches = [b for c in cycles for b in c.batch_sizes]
+
+        def ms(x, q=None):
+            if not len(x):
+                return 0.0
+            return float(1e3 * (np.mean(x) if q is None else np.percentile(x, q)))
+
+        mean_frame = float(frame_s.mean()) if len(frame_s) else 0.0
+        return {
+            "frames": counters.get("frames", 0),
+            "frame_ms_mean": ms(frame_s), "frame_ms_p50": ms(frame_s, 50), "frame_ms_p99": ms(frame_s, 99),
+            "prefill_ms_mean": ms([c.prefill_s for c in frames]),
+            "action_ms_mean": ms([c.action_s for c in frames]),
+            "decode_ms_mean": ms([c.decode_s for c in cycles]),
+            "action_hz": self.horizon / mean_frame if mean_frame > 0 else 0.0,
+            "tokens_per_s": sum(c.tokens for c in cycles) / wall if wall > 0 else 0.0,
+            "avg_batch": float(np.mean(batches)) if batches else 0.0,
+            "deadline_misses": counters.get("deadline_misses", 0),
+            "dropped_frames": self.dropped_frames,
+            "faults": counters.get("faults", 0),
+            "active_requests": self.active,
+            "queued_requests": self.queued,
+            "pool_blocks_used": self.pool.allocator.num_used,
+            "pool_blocks_total": self.pool.num_blocks,
+            "pool_peak_blocks": self.pool.allocator.peak_used,
+            "pool_occupancy": self.pool.occupancy(),
+            "counters": counters,
+            "last_error": self.last_error,
+        }
