@@ -26,7 +26,6 @@ setup(
     maintainer_email="oxygen-ros@example.com",
     description="pi0.5 VLA serving for ROS 2 with unified KV cache management (OxyGen).",
     license="Apache-2.0",
-    tests_require=["pytest"],
     entry_points={
         "console_scripts": [
             f"oxygen_bringup = {PACKAGE}.bringup:main",

@@ -1,0 +1,64 @@
+"""Build an Engine from user-level choices: a model preset or config file, an optional checkpoint,
+tokenizer and norm stats, the device. The one place that wires model, pool, runner and engine together
+(the bringup, the benchmark and the tests all come through here)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from oxygen_ros.model.checkpoint import init_random_weights, load_pi05
+from oxygen_ros.model.config import Pi05Config, load_config, preset
+from oxygen_ros.model.normalize import Normalizer
+from oxygen_ros.model.pi05 import Pi05
+from oxygen_ros.model.tokenizer import Tokenizer
+
+from .engine import Engine, EngineConfig
+from .kv_pool import KVPool
+from .runner import ModelRunner
+
+DEFAULT_DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
+
+
+def model_config(model: str | Pi05Config, **overrides) -> Pi05Config:
+    """A preset name (tiny, bench, pi05), a config file path, or a config; then field overrides."""
+    if isinstance(model, Pi05Config):
+        cfg = model
+    elif Path(model).suffix in (".json", ".yaml", ".yml"):
+        cfg = load_config(model)
+    else:
+        cfg = preset(model)
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def build_model(cfg: Pi05Config, checkpoint: str | None = None, device: str = "cpu",
+                dtype: torch.dtype | None = None, seed: int = 0) -> Pi05:
+    """Weights from the checkpoint, or deterministic random weights (demo and tests) when none is given."""
+    dtype = dtype or DEFAULT_DTYPE[torch.device(device).type]
+    if checkpoint:
+        return load_pi05(checkpoint, cfg, device, dtype)
+    model = init_random_weights(Pi05(cfg), seed)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = None,
+                 tokenizer: str | None = None, norm_stats: str | None = None, asset_id: str | None = None,
+                 engine: EngineConfig | None = None, device: str = "cpu", dtype: torch.dtype | None = None,
+                 kv_budget_mb: float = 256.0, block_size: int = 16, backend: str | None = None,
+                 robot_action_dim: int | None = None, state_in_prompt: bool = True, seed: int = 0,
+                 built_model: Pi05 | None = None, **config_overrides) -> Engine:
+    from oxygen_ros.model.attention import default_backend
+
+    cfg = built_model.cfg if built_model is not None else model_config(model, **config_overrides)
+    if tokenizer is None and cfg.vocab_size > 50_000:
+        raise ValueError("a full-vocabulary model needs its tokenizer: give the PaliGemma tokenizer model path")
+    tok = Tokenizer(tokenizer) if tokenizer else Tokenizer.tiny()
+    net = built_model if built_model is not None else build_model(cfg, checkpoint, device, dtype, seed)
+    backend = backend or default_backend(net.device)
+    net.backend = backend
+    norm = Normalizer.load(norm_stats, asset_id) if norm_stats else Normalizer.identity()
+    pool = KVPool.from_budget(int(kv_budget_mb * 2**20), cfg.vlm.depth, cfg.vlm.num_kv_heads, cfg.vlm.head_dim,
+                              block_size, net.dtype, net.device)
+    runner = ModelRunner(net, tok, pool, norm, backend, state_in_prompt, robot_action_dim)
+    return Engine(runner, engine or EngineConfig())
