@@ -1,0 +1,162 @@
+"""The frame cycle's scheduling on a simulated clock: deadline budget, actions first, fairness,
+cancellation, timeouts, stale frames, bounded queue. The model really runs (a small one); only the
+engine's notion of time is simulated: each runner operation advances the clock by a fixed cost."""
+import pytest
+
+from conftest import SimClock
+from oxygen_ros.engine.requests import TextRequest
+from oxygen_ros.engine.scheduler import DecodeBudget
+
+PREFILL_S, ACTION_S = 0.040, 0.030
+
+
+def decode_cost(batch: int) -> float:
+    return 0.010 + 0.002 * batch
+
+
+def simulate_costs(engine, clock: SimClock, calls: list | None = None):
+    """Wrap the runner so each operation advances the simulated clock by a known cost."""
+    runner = engine.runner
+
+    def wrap(name, cost):
+        real = getattr(runner, name)
+
+        def timed(*args, **kwargs):
+            out = real(*args, **kwargs)
+            clock.advance(cost(*args))
+            if calls is not None:
+                calls.append(name)
+            return out
+        setattr(runner, name, timed)
+
+    wrap("prefill", lambda *a: PREFILL_S)
+    wrap("actions", lambda *a: ACTION_S)
+    wrap("extend", lambda items: decode_cost(len(items)))
+
+
+def test_decode_budget_rules():
+    fixed = DecodeBudget("fixed", tokens_per_frame=5, min_steps=1)
+    assert [fixed.another_step(s, 0.0, -1.0, 4) for s in range(6)] == [True] * 5 + [False]
+    dl = DecodeBudget("deadline", tokens_per_frame=5, min_steps=2)
+    assert dl.another_step(0, now=10.0, deadline=9.0, batch=3)      # minimum progress even when late
+    assert dl.another_step(1, now=10.0, deadline=9.0, batch=3)
+    assert not dl.another_step(2, now=10.0, deadline=9.0, batch=3)
+    dl.observe(3, 0.2)
+    assert dl.predict(3) == pytest.approx(0.2)
+    dl.observe(3, 0.1)
+    assert dl.predict(3) == pytest.approx(0.2 + 0.3 * (0.1 - 0.2))
+    assert dl.predict(4) == dl.predict(3)                            # nearest measured batch size
+    assert dl.another_step(2, now=1.0, deadline=1.17, batch=3)
+    assert not dl.another_step(2, now=1.0, deadline=1.16, batch=3)
+    with pytest.raises(ValueError):
+        DecodeBudget("eager", 1, 1)
+
+
+def test_deadline_budget_fills_the_frame_period_and_no_more(engine_factory, obs):
+    clock = SimClock()
+    engine = engine_factory(clock=clock, policy="oxygen", decode_budget="deadline", action_rate_hz=25.0,
+                            min_tokens_per_frame=1)
+    simulate_costs(engine, clock)
+    period = engine.frame_period                                      # 5 rows at 25 Hz = 0.2 s
+    assert period == pytest.approx(0.2)
+    handles = [engine.submit(TextRequest("what is on the table?", max_tokens=60)) for _ in range(3)]
+    engine.run_cycle(obs(0))                                          # learns the step time
+    report = engine.run_cycle(obs(1))
+    step = decode_cost(3)
+    expected = int((period - PREFILL_S - ACTION_S) // step)
+    assert report.decode_steps == expected
+    assert report.duration_s <= period + 1e-9 and not report.deadline_missed
+    for h in handles:
+        h.cancel()
+    engine.run_cycle(None)
+
+
+def test_minimum_progress_when_the_frame_is_already_late(engine_factory, obs):
+    clock = SimClock()
+    engine = engine_factory(clock=clock, policy="oxygen", decode_budget="deadline", action_rate_hz=100.0,
+                            min_tokens_per_frame=2)
+    simulate_costs(engine, clock)
+    engine.submit(TextRequest("what is on the table?", max_tokens=40))
+    report = engine.run_cycle(obs(0))                                 # prefill + action alone exceed 0.05 s
+    assert report.decode_steps == 2
+    assert report.deadline_missed
+    assert engine.stats.snapshot()["deadline_misses"] == 1
+
+
+def test_action_chunk_comes_before_any_language_work(engine_factory, obs):
+    clock, calls = SimClock(), []
+    engine = engine_factory(clock=clock, policy="oxygen", decode_budget="fixed", tokens_per_frame=3)
+    simulate_costs(engine, clock, calls)
+    seen = []
+    engine.add_chunk_listener(lambda chunk: seen.append(list(calls)))
+    engine.submit(TextRequest("what is on the table?", max_tokens=10))
+    engine.run_cycle(obs(0))
+    assert seen == [["prefill", "actions"]], "the chunk is published before any text work"
+    assert calls[:2] == ["prefill", "actions"] and calls[2:] == ["extend"] * 4   # question + 3 steps
+    chunk = engine.latest_chunk()
+    assert chunk.plan.actions.shape == (5, 7) and chunk.plan.stamp_s == obs(0).stamp_s
+    assert chunk.plan.step_period_s == pytest.approx(1 / 70)
+
+
+def test_fairness_every_active_request_advances_each_step(engine_factory, obs):
+    engine = engine_factory(policy="oxygen", decode_budget="fixed", tokens_per_frame=4, max_active_requests=2)
+    handles = [engine.submit(TextRequest(f"question number {i}", max_tokens=30)) for i in range(3)]
+    engine.run_cycle(obs(0))
+    active = list(engine._active)
+    assert [r.handle for r in active] == handles[:2], "first come, first admitted"
+    assert engine.queued_requests == 1
+    assert [len(r.tokens) for r in active] == [5, 5]                 # first token + 4 steps each
+    for h in handles:
+        h.cancel()
+    engine.run_cycle(obs(1))
+    assert all(h.result(0).finish_reason == "cancelled" for h in handles)
+
+
+def test_cancel_and_timeout_release_their_blocks(engine_factory, obs):
+    clock = SimClock()
+    engine = engine_factory(clock=clock, policy="oxygen", decode_budget="fixed", tokens_per_frame=2)
+    pool = engine.runner.pool
+    a = engine.submit(TextRequest("what is on the table?", max_tokens=50))
+    b = engine.submit(TextRequest("what is on the table?", max_tokens=50, timeout_s=1.0))
+    engine.run_cycle(obs(0))
+    assert engine.active_requests == 2
+    a.cancel()
+    clock.advance(1.5)
+    queued = engine.submit(TextRequest("never admitted", max_tokens=5))
+    queued.cancel()
+    engine.run_cycle(None)
+    ra, rb, rq = a.result(0), b.result(0), queued.result(0)
+    assert (ra.finish_reason, rb.finish_reason, rq.finish_reason) == ("cancelled", "timeout", "cancelled")
+    assert not ra.success and "timed out after 1 s" in rb.error and rb.tokens
+    assert pool.allocator.num_used == 0
+
+
+def test_only_the_newest_observation_is_processed(engine_factory, obs):
+    engine = engine_factory(policy="oxygen")
+    for i in range(4):
+        engine.submit_observation(obs(i))
+    item = engine._mailbox.take(timeout=0)
+    engine.run_cycle(*item)
+    assert engine.mailbox_dropped == 3
+    assert engine.latest_chunk().plan.stamp_s == obs(3).stamp_s
+    assert engine.stats.snapshot()["dropped_frames"] == 3
+
+
+def test_bounded_queue_refuses_with_a_reason(engine_factory):
+    engine = engine_factory(max_queued_requests=3)
+    handles = [engine.submit(TextRequest("hello there", max_tokens=4)) for _ in range(5)]
+    assert [h.done() for h in handles] == [False, False, False, True, True]
+    r = handles[-1].result(0)
+    assert not r.success and r.finish_reason == "refused" and r.error.startswith("busy: 3 requests already waiting")
+    assert engine.stats.counter("refused_busy") == 2
+
+
+def test_invalid_requests_are_refused_precisely(engine_factory):
+    engine = engine_factory(max_question_chars=50)
+    cases = {"": "question is empty", "x" * 60: "question has 60 characters, the limit is 50"}
+    for text, message in cases.items():
+        r = engine.submit(TextRequest(text)).result(0)
+        assert not r.success and message in r.error
+    r = engine.submit(TextRequest("fine", max_tokens=10_000)).result(0)
+    assert "max_tokens must be in 1..256" in r.error
+    assert engine.queued_requests == 0
