@@ -156,7 +156,8 @@ def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "c
     with torch.device("meta"):
         model = Pi05(cfg)
     expected = dict(model.named_parameters())
-    missing = [openpi_name(n) for n in expected if n not in mapping]
+    prefix = "model." if fmt == "lerobot" else ""
+    missing = [prefix + openpi_name(n) for n in expected if n not in mapping]
     if missing:
         raise CheckpointError(f"{path} ({fmt} format): {len(missing)} missing key(s): {_listing(missing)}")
     state, mismatched = {}, []

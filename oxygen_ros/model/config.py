@@ -105,9 +105,17 @@ class Pi05Config:
         if unknown:
             raise ValueError(f"unknown model config keys: {unknown}")
         d = dict(d)
-        d["vlm"] = GemmaConfig(**d["vlm"])
-        d["expert"] = GemmaConfig(**d["expert"])
-        d["vision"] = VisionConfig(**d["vision"])
+        missing = sorted({"vlm", "expert", "vision", "vocab_size"} - set(d))
+        if missing:
+            raise ValueError(f"model config lacks {missing}")
+        for part, kind in (("vlm", GemmaConfig), ("expert", GemmaConfig), ("vision", VisionConfig)):
+            sub = d[part]
+            if not isinstance(sub, dict):
+                raise ValueError(f"model config '{part}' must be a mapping")
+            unknown = sorted(set(sub) - {f.name for f in dataclasses.fields(kind)})
+            if unknown:
+                raise ValueError(f"unknown model config keys in '{part}': {unknown}")
+            d[part] = kind(**sub)
         if "camera_slots" in d:
             d["camera_slots"] = tuple(d["camera_slots"])
         return cls(**d)

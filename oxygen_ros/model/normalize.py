@@ -17,7 +17,7 @@ import numpy as np
 EPS = 1e-6
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
 class Stats:
     mean: np.ndarray
     std: np.ndarray
@@ -43,7 +43,7 @@ def _stats(name: str, d: dict) -> Stats:
     return s
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Normalizer:
     state: Stats | None
     actions: Stats | None

@@ -15,6 +15,7 @@ truncated and the truncation is reported (`Prompt.truncated`), never silent.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -74,15 +75,33 @@ class Tokenizer:
 
 def train_tiny(out_dir: Path, corpus: Path, vocab_size: int = 1000) -> Path:
     """Train the shipped small tokenizer (PaliGemma's special ids; byte fallback so any text encodes)."""
+    out_dir = Path(out_dir).resolve()
     prefix = out_dir / TINY_TOKENIZER.removesuffix(".model")
+    # The model file records the trainer's input and output paths: train from inside the output folder
+    # with relative paths so the file is byte-for-byte reproducible wherever the repo lives.
+    corpus_data = Path(corpus).read_bytes()
+    corpus_name = "tiny_corpus.txt"
+    cwd = os.getcwd()
+    os.chdir(out_dir)
+    try:
+        if not (out_dir / corpus_name).exists() or (out_dir / corpus_name).read_bytes() != corpus_data:
+            (out_dir / corpus_name).write_bytes(corpus_data)
+        _train(corpus_name, prefix.name, vocab_size)
+    finally:
+        os.chdir(cwd)
+    prefix.with_suffix(".vocab").unlink(missing_ok=True)
+    return prefix.with_suffix(".model")
+
+
+def _train(corpus: str, prefix: str, vocab_size: int) -> None:
     spm.SentencePieceTrainer.train(
-        input=str(corpus), model_prefix=str(prefix), vocab_size=vocab_size, model_type="bpe",
+        input=corpus, model_prefix=prefix, vocab_size=vocab_size, model_type="bpe",
         pad_id=0, eos_id=1, bos_id=2, unk_id=3, byte_fallback=True, character_coverage=1.0,
         split_digits=True, num_threads=1, minloglevel=2,
         # Keep "\n" as a token (the prompt format ends its state with ";\nAction: ") and the text as is.
-        normalization_rule_name="identity", remove_extra_whitespaces=False, user_defined_symbols=["\n"])
-    prefix.with_suffix(".vocab").unlink(missing_ok=True)
-    return prefix.with_suffix(".model")
+        normalization_rule_name="identity", remove_extra_whitespaces=False, user_defined_symbols=["\n"],
+        # Like Gemma's tokenizer: no space prepended to the text ("\n" encodes as the one token "\n").
+        add_dummy_prefix=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,300 @@
+"""The strict π0.5 checkpoint loader: openpi and LeRobot layouts, aliases, sharding, dtypes, and errors that
+name the offending keys."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file, save_model
+from torch import nn
+
+from oxygen_ros.model import inference
+from oxygen_ros.model.checkpoint import (CheckpointError, init_random_weights, load_pi05, openpi_name,
+                                         save_checkpoint)
+from oxygen_ros.model.config import GemmaConfig, Pi05Config, VisionConfig, from_oracle_json
+from oxygen_ros.model.pi05 import Pi05, PrefixRow
+
+ORACLE = Path(__file__).resolve().parents[1] / ".." / "shared" / "oracle"
+LM_HEAD = "paligemma_with_expert.paligemma.lm_head.weight"
+EMBED = "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
+EXPERT_LM_HEAD = "paligemma_with_expert.gemma_expert.lm_head.weight"
+Q0 = "paligemma_with_expert.paligemma.model.language_model.layers.0.self_attn.q_proj.weight"
+
+
+def small_config(width: int = 32, **changes) -> Pi05Config:
+    """A π0.5 of ~40k parameters: 2x2 patches of 14 px per image, 2 layers everywhere."""
+    cfg = Pi05Config(
+        vlm=GemmaConfig(width=width, depth=2, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=8),
+        expert=GemmaConfig(width=16, depth=2, mlp_dim=32, num_heads=2, num_kv_heads=1, head_dim=8),
+        vision=VisionConfig(width=16, depth=1, mlp_dim=32, num_heads=2, patch_size=14, image_size=28),
+        vocab_size=64, action_dim=8, action_horizon=4, max_token_len=16, num_denoise_steps=3)
+    return cfg.replace(**changes)
+
+
+CFG = small_config()
+
+
+def random_model(cfg: Pi05Config = CFG, seed: int = 0) -> Pi05:
+    return init_random_weights(Pi05(cfg), seed).eval()
+
+
+def openpi_tensors(model: Pi05) -> dict[str, torch.Tensor]:
+    return {openpi_name(n): p.detach().clone().contiguous() for n, p in model.named_parameters()}
+
+
+def write(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def assert_same_parameters(a: Pi05, b: Pi05, dtype: torch.dtype | None = None):
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        expected = pa[name].detach() if dtype is None else pa[name].detach().to(dtype)
+        assert torch.equal(expected, pb[name].detach()), name
+
+
+def outputs(model: Pi05) -> tuple[torch.Tensor, torch.Tensor]:
+    """Last prefix hidden state and actions of a fixed input (2 cameras, 5 tokens)."""
+    g = torch.Generator().manual_seed(1)
+    size = model.cfg.vision.image_size
+    row = PrefixRow(torch.rand(2, 3, size, size, generator=g) * 2 - 1, torch.tensor([2, 7, 9, 11, 5]))
+    cache = inference.ContiguousCache(model, 64)
+    pre = inference.prefill(model, cache, [row], "torch")
+    noise = torch.randn(1, model.cfg.action_horizon, model.cfg.action_dim, generator=g)
+    return pre.hidden, inference.sample_actions(model, cache, pre.segments, noise, backend="torch")
+
+
+def assert_same_outputs(a: Pi05, b: Pi05):
+    for x, y in zip(outputs(a), outputs(b)):
+        assert torch.equal(x, y)
+
+
+# ------------------------------------------------------------------------------------------ round trips
+@pytest.mark.parametrize("fmt", ["openpi", "lerobot"])
+def test_round_trip(tmp_path, fmt):
+    model = random_model()
+    out = save_checkpoint(model, tmp_path, fmt)
+    assert out == tmp_path / "model.safetensors"
+    with safe_open(str(out), framework="pt") as f:
+        keys = set(f.keys())
+    if fmt == "openpi":
+        assert LM_HEAD in keys and EMBED not in keys                  # tied embedding stored once
+        assert Q0 in keys
+    else:
+        assert all(k.startswith("model.") for k in keys)
+        assert {"model." + LM_HEAD, "model." + EMBED} <= keys          # LeRobot stores both names
+    for path in (tmp_path, out):                                       # a directory or the file itself
+        loaded = load_pi05(path, CFG)
+        assert_same_parameters(model, loaded)
+        assert_same_outputs(model, loaded)
+
+
+def test_loaded_model_dtype_device_and_no_grad(tmp_path):
+    model = random_model()
+    save_checkpoint(model, tmp_path)
+    for dtype in (torch.float32, torch.bfloat16):
+        loaded = load_pi05(tmp_path, CFG, device="cpu", dtype=dtype)
+        assert not loaded.training
+        for name, p in loaded.named_parameters():
+            assert p.dtype == dtype, name
+            assert p.device.type == "cpu", name
+            assert not p.requires_grad, name
+        assert loaded.dtype == dtype
+    assert_same_parameters(model, load_pi05(tmp_path, CFG, dtype=torch.bfloat16), dtype=torch.bfloat16)
+
+
+def test_bf16_checkpoint_loads_into_float32(tmp_path):
+    model = random_model()
+    write(tmp_path, {k: v.to(torch.bfloat16) for k, v in openpi_tensors(model).items()})
+    loaded = load_pi05(tmp_path, CFG, dtype=torch.float32)
+    for name, p in model.named_parameters():
+        q = dict(loaded.named_parameters())[name]
+        assert q.dtype == torch.float32
+        assert torch.equal(q, p.detach().to(torch.bfloat16).float()), name
+
+
+def test_openpi_file_written_by_save_model(tmp_path):
+    """What openpi actually writes: `safetensors.torch.save_model(PI0Pytorch)` keeps one name of the tied
+    embedding (lm_head, alphabetically first), records the alias in the metadata, and also holds the
+    expert's unused LM head."""
+    model = random_model()
+    tensors = openpi_tensors(model)
+    module = nn.Module()
+
+    def put(name: str, tensor: torch.Tensor | nn.Parameter):
+        *path, leaf = name.split(".")
+        m = module
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, nn.Module())
+            m = getattr(m, part)
+        m.register_parameter(leaf, tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor))
+
+    for name, tensor in tensors.items():
+        put(name, tensor)
+    put(EMBED, getattr(module.paligemma_with_expert.paligemma.lm_head, "weight"))  # tied: same Parameter
+    put(EXPERT_LM_HEAD, torch.randn(CFG.vocab_size, CFG.expert.width))
+    tmp_path.mkdir(exist_ok=True)
+    save_model(module, str(tmp_path / "model.safetensors"))
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        keys, meta = set(f.keys()), f.metadata()
+    assert LM_HEAD in keys and EMBED not in keys and EXPERT_LM_HEAD in keys
+    assert meta[EMBED] == LM_HEAD
+    loaded = load_pi05(tmp_path, CFG)
+    assert_same_parameters(model, loaded)
+    assert_same_outputs(model, loaded)
+
+
+def test_expert_lm_head_is_ignored_in_lerobot_files_too(tmp_path):
+    model = random_model()
+    save_checkpoint(model, tmp_path, "lerobot")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model." + EXPERT_LM_HEAD] = torch.randn(CFG.vocab_size, CFG.expert.width)
+    write(tmp_path, tensors)
+    assert_same_parameters(model, load_pi05(tmp_path, CFG))
+
+
+def test_lerobot_file_with_embed_tokens_and_lm_head(tmp_path):
+    model = random_model()
+    tensors = {"model." + k: v for k, v in openpi_tensors(model).items()}
+    tensors["model." + EMBED] = tensors["model." + LM_HEAD].clone()
+    write(tmp_path, tensors)
+    loaded = load_pi05(tmp_path, CFG)
+    assert_same_parameters(model, loaded)
+    assert_same_outputs(model, loaded)
+
+
+def test_lerobot_file_with_embed_tokens_only(tmp_path):
+    """The tied embedding under its embedding name only (the alias) is enough."""
+    model = random_model()
+    tensors = openpi_tensors(model)
+    tensors[EMBED] = tensors.pop(LM_HEAD)
+    write(tmp_path, {"model." + k: v for k, v in tensors.items()})
+    assert_same_parameters(model, load_pi05(tmp_path, CFG))
+
+
+def test_action_time_mlp_alias(tmp_path):
+    model = random_model()
+    tensors = openpi_tensors(model)
+    for part in ("in", "out"):
+        for p in ("weight", "bias"):
+            tensors[f"action_time_mlp_{part}.{p}"] = tensors.pop(f"time_mlp_{part}.{p}")
+    write(tmp_path, tensors)
+    loaded = load_pi05(tmp_path, CFG)
+    assert_same_parameters(model, loaded)
+
+
+def test_sharded_checkpoint(tmp_path):
+    model = random_model()
+    tensors = openpi_tensors(model)
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    weight_map = {}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(tmp_path / shard), metadata={"format": "pt"})
+        weight_map.update({k: shard for k in keys})
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    assert not (tmp_path / "model.safetensors").exists()
+    loaded = load_pi05(tmp_path, CFG)
+    assert_same_parameters(model, loaded)
+    assert_same_outputs(model, loaded)
+
+
+# ------------------------------------------------------------------------------------------ errors
+def test_missing_key_is_named(tmp_path):
+    tensors = openpi_tensors(random_model())
+    del tensors["action_out_proj.bias"]
+    del tensors[Q0]
+    write(tmp_path, tensors)
+    with pytest.raises(CheckpointError, match="2 missing key") as err:
+        load_pi05(tmp_path, CFG)
+    assert "action_out_proj.bias" in str(err.value) and Q0 in str(err.value)
+
+
+def test_unexpected_key_is_named(tmp_path):
+    tensors = openpi_tensors(random_model())
+    tensors["paligemma_with_expert.something_new.weight"] = torch.zeros(3)
+    write(tmp_path, tensors)
+    with pytest.raises(CheckpointError, match="unexpected key") as err:
+        load_pi05(tmp_path, CFG)
+    assert "paligemma_with_expert.something_new.weight" in str(err.value)
+
+
+def test_pi0_checkpoint_gets_the_pi0_hint(tmp_path):
+    tensors = openpi_tensors(random_model())
+    tensors["state_proj.weight"] = torch.zeros(CFG.expert.width, CFG.action_dim)
+    tensors["state_proj.bias"] = torch.zeros(CFG.expert.width)
+    write(tmp_path, tensors)
+    with pytest.raises(CheckpointError) as err:
+        load_pi05(tmp_path, CFG)
+    message = str(err.value)
+    assert "state_proj.weight" in message and "state_proj.bias" in message
+    assert "π0, not a π0.5" in message
+
+
+def test_expert_rmsnorm_weights_get_the_adarms_hint(tmp_path):
+    tensors = openpi_tensors(random_model())
+    key = "paligemma_with_expert.gemma_expert.model.layers.0.input_layernorm.weight"
+    tensors[key] = torch.zeros(CFG.expert.width)
+    write(tmp_path, tensors)
+    with pytest.raises(CheckpointError, match="adaRMSNorm") as err:
+        load_pi05(tmp_path, CFG)
+    assert key in str(err.value)
+
+
+def test_shape_mismatch_names_the_keys(tmp_path):
+    save_checkpoint(random_model(small_config(width=48)), tmp_path)
+    with pytest.raises(CheckpointError, match="wrong preset") as err:
+        load_pi05(tmp_path, CFG)
+    message = str(err.value)
+    assert "22 tensor(s) do not match" in message                    # every VLM-width tensor
+    assert ("paligemma_with_expert.paligemma.model.multi_modal_projector.linear.weight has shape [48, 16], "
+            "the config expects [32, 16]") in message
+
+
+def test_mixed_prefixed_and_unprefixed_keys(tmp_path):
+    tensors = openpi_tensors(random_model())
+    tensors["model." + Q0] = tensors.pop(Q0)
+    write(tmp_path, tensors)
+    with pytest.raises(CheckpointError, match="mixes") as err:
+        load_pi05(tmp_path, CFG)
+    assert "action_in_proj.weight" in str(err.value)          # names (some of) the unprefixed keys
+
+
+def test_directory_without_model_safetensors(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError, match="no model.safetensors") as err:
+        load_pi05(tmp_path, CFG)
+    assert str(tmp_path) in str(err.value)
+
+
+def test_wrong_format_name():
+    with pytest.raises(ValueError, match="unknown checkpoint format"):
+        save_checkpoint(random_model(), "/nonexistent", "orbax")
+
+
+# ------------------------------------------------------------------------------------------ oracle files
+@pytest.mark.parametrize("case", ["case_a", "case_c"])
+def test_oracle_checkpoints_load(case):
+    path = ORACLE / case
+    assert (path / "model.safetensors").exists(), f"oracle case not found at {path.resolve()}"
+    cfg = from_oracle_json(path / "config.json")
+    model = load_pi05(path, cfg)
+    file = load_file(str(path / "model.safetensors"))
+    assert EMBED not in file and EXPERT_LM_HEAD in file                 # openpi save_model layout
+    assert torch.equal(model.embed_tokens.weight, file[LM_HEAD])
+    for name, p in model.named_parameters():
+        assert torch.equal(p, file[openpi_name(name)]), name
+    assert not any(p.requires_grad for p in model.parameters())
+    # Every file tensor but the expert's LM head was used.
+    assert {openpi_name(n) for n, _ in model.named_parameters()} == set(file) - {EXPERT_LM_HEAD}
+    assert np.isfinite(model.embed_tokens.weight.numpy()).all()
