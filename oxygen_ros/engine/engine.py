@@ -66,6 +66,8 @@ class EngineConfig:
     subtask_max_tokens: int = 12
     max_consecutive_faults: int = 5       # then the engine stops producing actions until reset
     seed: int = 0
+    ignore_eos: bool = False              # benchmark only: EOS is kept as an ordinary token, so every reply
+                                          # runs to max_tokens (or a stop string); never set it when serving
 
     def validate(self) -> None:
         problems = []
@@ -324,7 +326,8 @@ class Engine:
             frame = self.runner.prefill(prepared, index)
             report.prefill_s = self.clock() - t
             t = self.clock()
-            model_actions, robot_actions = self.runner.actions(frame, noise_t, self.config.denoise_steps)
+            model_actions, robot_actions = self.runner.actions(frame, noise_t, self.config.denoise_steps,
+                                                               np.asarray(obs.state, dtype=np.float64))
             report.action_s = self.clock() - t
         except (EngineFault, RuntimeError, ValueError) as e:
             # Includes PoolExhausted (cannot happen while the reserve holds) and injected faults.
@@ -522,7 +525,7 @@ class Engine:
                 self._finish(r, "error", "the model produced non-finite logits")
                 continue
             report.tokens += 1
-            if token == tokenizer.eos_id:
+            if token == tokenizer.eos_id and not self.config.ignore_eos:
                 self._finish(r, "eos")
                 continue
             r.tokens.append(token)

@@ -37,7 +37,8 @@ class PreparedFrame:
 
 class ModelRunner:
     def __init__(self, model: Pi05, tokenizer: Tokenizer, pool: KVPool, normalizer: Normalizer | None = None,
-                 backend: str = "torch", state_in_prompt: bool = True, robot_action_dim: int | None = None):
+                 backend: str = "torch", state_in_prompt: bool = True, robot_action_dim: int | None = None,
+                 delta_action_mask: list[bool] | None = None):
         cfg = model.cfg
         if tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} pieces, the model only {cfg.vocab_size}")
@@ -48,6 +49,12 @@ class ModelRunner:
         self.backend = backend
         self.state_in_prompt = state_in_prompt
         self.robot_action_dim = robot_action_dim or cfg.action_dim
+        # Dimensions the model predicts relative to the current state (openpi's AbsoluteActions output
+        # transform: e.g. ALOHA joints, DROID joint-position checkpoints); grippers stay absolute.
+        self.delta_action_mask = np.array(delta_action_mask or [], dtype=bool)
+        if len(self.delta_action_mask) > self.robot_action_dim:
+            raise ValueError(f"delta_action_mask has {len(self.delta_action_mask)} entries, the robot only "
+                             f"{self.robot_action_dim} action dims")
         self.cfg = cfg
 
     # ------------------------------------------------------------------ sizes
@@ -105,13 +112,20 @@ class ModelRunner:
         return FrameCache(self.pool, cached.own, frame_index, frame.stamp, hidden[0])
 
     @torch.inference_mode()
-    def actions(self, frame: FrameCache, noise: torch.Tensor, steps: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Action chunk of a frame: (model-space actions [H, action_dim], robot units [H, robot_dim])."""
+    def actions(self, frame: FrameCache, noise: torch.Tensor, steps: int | None = None,
+                state: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Action chunk of a frame: (model-space actions [H, action_dim], robot units [H, robot_dim]).
+        `state` (robot units) is needed when some dimensions are deltas (delta_action_mask)."""
         attn = ActionAttention(self.pool.kv, [frame.segment], noise.shape[-2], self.backend, self.model.device)
         x = self.model.sample_actions(noise.reshape(1, *noise.shape[-2:]), attn, steps)[0].cpu().numpy()
         if not np.all(np.isfinite(x)):
             raise EngineFault(f"frame {frame.frame_index}: the action expert produced non-finite actions")
         robot = self.normalizer.unnormalize_actions(x.astype(np.float64))[:, :self.robot_action_dim]
+        if self.delta_action_mask.any():
+            mask = np.flatnonzero(self.delta_action_mask)
+            if state is None or len(state) <= mask.max():
+                raise InputError(f"delta actions need the state's dimensions {mask.tolist()}")
+            robot[:, mask] += np.asarray(state, dtype=np.float64)[mask]
         return x, robot
 
     # ------------------------------------------------------------------ text

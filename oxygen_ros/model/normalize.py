@@ -58,9 +58,10 @@ class Normalizer:
         """`path`: a norm_stats.json, or a checkpoint directory holding assets/<asset_id>/norm_stats.json."""
         path = Path(path)
         if path.is_dir():
-            found = sorted(path.glob("assets/*/norm_stats.json")) + sorted(path.glob("norm_stats.json"))
+            # openpi asset ids may contain a slash (assets/physical-intelligence/libero/norm_stats.json).
+            found = sorted(path.glob("assets/**/norm_stats.json")) + sorted(path.glob("norm_stats.json"))
             if asset_id is not None:
-                found = [f for f in found if f.parent.name == asset_id]
+                found = [f for f in found if f.parent == path / "assets" / asset_id]
             if len(found) != 1:
                 raise ValueError(f"{path}: expected one norm_stats.json (asset_id={asset_id!r}), found "
                                  f"{[str(f.relative_to(path)) for f in found] or 'none'}")

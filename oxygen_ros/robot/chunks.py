@@ -129,6 +129,11 @@ class ChunkFollower:
         self._replaced = None  # blend finished, or the old chunk no longer covers now
         return TickCommand(action.copy(), plan.frame_index, row, "ok")
 
+    @property
+    def plan(self) -> ActionChunkPlan | None:
+        """The chunk in use (None before the first)."""
+        return self._plan
+
     def age_s(self, now_s: float) -> float | None:
         """Seconds since the current chunk's observation; None without a chunk."""
         return None if self._plan is None else now_s - self._plan.stamp_s

@@ -1,0 +1,33 @@
+"""Launch oxygen_ros on a robot with a ROS 2 install:
+
+    ros2 launch oxygen_ros oxygen.launch.py robot:=libero params_file:=/path/to/overrides.yaml
+
+One process (oxygen_bringup) composes the engine and the observation, action and conversation nodes,
+so language requests reach the frame KV cache through in-process handles; `robot` picks
+config/<robot>.yaml, `params_file` overrides it (checkpoint, tokenizer, topics...).
+"""
+from launch import LaunchDescription
+from launch.actions import DeclareLaunchArgument, OpaqueFunction
+from launch.substitutions import LaunchConfiguration
+from launch_ros.actions import Node
+
+
+def _bringup(context):
+    robot = LaunchConfiguration("robot").perform(context)
+    params_file = LaunchConfiguration("params_file").perform(context)
+    arguments = ["--robot", robot]
+    if params_file:
+        arguments += ["--params-file", params_file]
+    if LaunchConfiguration("demo").perform(context).lower() in ("true", "1"):
+        arguments.append("--demo")
+    return [Node(package="oxygen_ros", executable="oxygen_bringup", arguments=arguments, output="screen",
+                 emulate_tty=True)]
+
+
+def generate_launch_description():
+    return LaunchDescription([
+        DeclareLaunchArgument("robot", default_value="libero", description="libero, droid, aloha or demo"),
+        DeclareLaunchArgument("params_file", default_value="", description="ROS parameters YAML overriding the robot config"),
+        DeclareLaunchArgument("demo", default_value="false", description="add the simulated robot and demo client"),
+        OpaqueFunction(function=_bringup),
+    ])

@@ -1,0 +1,194 @@
+"""ActionPublisher: a timer at action_rate_hz publishes the next action of the newest chunk.
+
+The engine thread only drops each new chunk into a one-slot mailbox; the timer (its own callback group,
+so nothing else delays it) takes it, publishes it on /oxygen/action_chunk, and plays the rows through
+the ChunkFollower (latency-aware: a chunk from an observation at t0 starts at the row for now - t0).
+Every command is clamped to the configured limits. With no fresh chunk, or stale inputs, or the output
+disabled, the configured safe behaviour applies and /diagnostics says so.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from diagnostic_msgs.msg import DiagnosticStatus
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.node import Node
+from std_srvs.srv import SetBool
+from trajectory_msgs.msg import JointTrajectory
+
+from oxygen_ros.engine.engine import ChunkResult, Engine
+from oxygen_ros.robot.chunks import ChunkFollower
+from oxygen_ros.robot.errors import InputError
+from oxygen_ros.robot.limits import ActionLimits
+from oxygen_ros.robot.rate import RateMeter
+
+from .action_output import OUTPUT_TYPES, chunk_message, command_message, trajectory_message, zero_twist
+from .engine_node import status
+from .params import Param, ParameterError, declare_all
+
+PARAMS = [
+    Param("action_rate_hz", 70.0, "Commands per second.", minimum=1.0, maximum=1000.0),
+    Param("output_type", "float64_array", "Message type of /oxygen/action.", choices=tuple(OUTPUT_TYPES)),
+    Param("action_topic", "/oxygen/action", "Where commands go."),
+    Param("chunk_topic", "/oxygen/action_chunk", "Where every new chunk goes (oxygen_interfaces/ActionChunk)."),
+    Param("joint_names", [], "Names of the action dimensions (joint_state / joint_trajectory / chunks)."),
+    Param("frame_id", "base_link", "Frame of twist / pose commands."),
+    Param("rotation", "axis_angle", "Rotation encoding of pose actions.",
+          choices=("axis_angle", "euler_xyz", "quaternion_wxyz")),
+    Param("lower_limits", [], "Per-dimension lower bound (empty: none)."),
+    Param("upper_limits", [], "Per-dimension upper bound (empty: none)."),
+    Param("max_velocity", [], "Per-dimension max change per second (empty: none)."),
+    Param("blend_steps", 0, "Ticks over which a new chunk is blended in linearly.", minimum=0),
+    Param("on_exhausted", "hold", "Past the chunk's last row: hold it, or stop.", choices=("hold", "stop")),
+    Param("hold_timeout_s", 1.0, "Longest hold before stopping anyway.", minimum=0.0),
+    Param("on_stale", "stop", "Inputs stale (no camera/state): stop, or hold the last command.",
+          choices=("stop", "hold")),
+    Param("start_enabled", True, "Publish commands from the start (else wait for /oxygen/enable)."),
+]
+
+
+class ActionPublisher(Node):
+    def __init__(self, engine: Engine, inputs_fresh=None, **node_kwargs):
+        super().__init__("oxygen_action", **node_kwargs)
+        self.engine = engine
+        self.p = p = declare_all(self, PARAMS)
+        self.inputs_fresh = inputs_fresh or (lambda: True)
+        dim = engine.runner.robot_action_dim
+        self.names = list(p["joint_names"])
+        problems = []
+        if self.names and len(self.names) != dim:
+            problems.append(f"joint_names has {len(self.names)} names, the actions have {dim} dimensions")
+        if p["output_type"] in ("joint_state", "joint_trajectory") and not self.names:
+            problems.append(f"output_type {p['output_type']} needs joint_names")
+        if abs(engine.config.action_rate_hz - p["action_rate_hz"]) > 1e-9:
+            problems.append(f"action_rate_hz {p['action_rate_hz']} differs from the engine's "
+                            f"{engine.config.action_rate_hz} (chunk rows would be mistimed)")
+        try:
+            self.limits = ActionLimits.from_config(dim, p["lower_limits"] or None, p["upper_limits"] or None,
+                                                   p["max_velocity"] or None, 1.0 / p["action_rate_hz"])
+        except InputError as e:
+            problems.append(str(e))
+        if problems:
+            raise ParameterError("\n".join(problems))
+
+        self.follower = ChunkFollower(p["blend_steps"], p["on_exhausted"])
+        self._incoming: ChunkResult | None = None
+        self._incoming_lock = threading.Lock()
+        self.enabled = p["start_enabled"]
+        self.last_status = "no_chunk"
+        self.previous: np.ndarray | None = None
+        self.clamped_ticks = 0
+        self.rate = RateMeter()
+        self.commands = 0
+        self._hold_since: float | None = None
+        self._stopped_sent = False
+
+        self.pub = self.create_publisher(OUTPUT_TYPES[p["output_type"]], p["action_topic"], 10)
+        from oxygen_interfaces.msg import ActionChunk
+
+        self.chunk_pub = self.create_publisher(ActionChunk, p["chunk_topic"], 10)
+        group = MutuallyExclusiveCallbackGroup()
+        self.timer = self.create_timer(1.0 / p["action_rate_hz"], self._tick, callback_group=group)
+        self.create_service(SetBool, "/oxygen/enable", self._on_enable, callback_group=MutuallyExclusiveCallbackGroup())
+        engine.add_chunk_listener(self._on_chunk)
+
+    # engine thread: store only, never block
+    def _on_chunk(self, chunk: ChunkResult) -> None:
+        with self._incoming_lock:
+            self._incoming = chunk
+
+    def _on_enable(self, request: SetBool.Request, response: SetBool.Response) -> SetBool.Response:
+        self.set_enabled(request.data)
+        response.success = True
+        response.message = "action output enabled" if request.data else "action output disabled"
+        if request.data and self.engine.faulted:
+            response.message += f" (engine safe stop cleared: {self.engine.faulted})"
+            self.engine.reset_fault()
+        return response
+
+    def set_enabled(self, enabled: bool) -> None:
+        """Disabling takes effect at the next tick: no command is published after it."""
+        if self.enabled and not enabled:
+            self._send_stop(self._now())
+        self.enabled = enabled
+        self.get_logger().info("action output " + ("enabled" if enabled else "disabled"))
+
+    def _tick(self) -> None:
+        now = self._now()
+        self.rate.tick(now)
+        with self._incoming_lock:
+            chunk, self._incoming = self._incoming, None
+        new_chunk = chunk is not None and self.follower.push(chunk.plan)
+        if new_chunk:
+            self.chunk_pub.publish(chunk_message(chunk.plan, self.names, chunk.compute_s))
+        if not self.enabled:
+            self.last_status = "disabled"
+            return
+        cmd = self.follower.next(now)
+        state = cmd.status
+        if not self.inputs_fresh() and self.p["on_stale"] == "stop":
+            state = "stale_stop"
+        elif cmd.status == "hold":
+            self._hold_since = self._hold_since if self._hold_since is not None else now
+            if now - self._hold_since > self.p["hold_timeout_s"]:
+                state = "hold_timeout"
+        if cmd.status != "hold":
+            self._hold_since = None
+        self.last_status = state
+        if cmd.action is None or state in ("stale_stop", "hold_timeout"):
+            self._send_stop(now)
+            return
+        try:
+            action, mask = self.limits.apply(cmd.action, self.previous)
+        except InputError as e:  # NaN can never be published
+            self.get_logger().error(f"command discarded: {e}", throttle_duration_sec=1.0)
+            self._send_stop(now)
+            return
+        self.clamped_ticks += bool(mask.any())
+        self.previous = action
+        self._stopped_sent = False
+        if self.p["output_type"] == "joint_trajectory":
+            # The controller interpolates a whole chunk: send each chunk once, when it starts.
+            if new_chunk:
+                plan = self.follower.plan
+                rows = np.array([self.limits.apply(r)[0] for r in plan.actions])
+                self.pub.publish(trajectory_message(plan, rows, now, self.names))
+                self.commands += 1
+            return
+        self.pub.publish(command_message(self.p["output_type"], action, now, self.names, self.p["frame_id"],
+                                         self.p["rotation"]))
+        self.commands += 1
+
+    def _send_stop(self, now: float) -> None:
+        """Stopping = no further commands. A velocity interface gets one explicit zero twist and a
+        trajectory controller one empty trajectory (which makes it hold position)."""
+        if not self._stopped_sent:
+            if self.p["output_type"] == "twist":
+                self.pub.publish(zero_twist(now, self.p["frame_id"]))
+            elif self.p["output_type"] == "joint_trajectory":
+                self.pub.publish(JointTrajectory(joint_names=self.names))
+        self._stopped_sent = True
+        self.previous = None
+
+    def _now(self) -> float:
+        return self.get_clock().now().nanoseconds * 1e-9
+
+    def diagnostics(self) -> list[DiagnosticStatus]:
+        r = self.rate.summary()
+        state = self.last_status
+        if state in ("ok", "blending"):
+            level, message = DiagnosticStatus.OK, "publishing"
+        elif state == "disabled":
+            level, message = DiagnosticStatus.WARN, "output disabled (/oxygen/enable)"
+        elif state == "hold":
+            level, message = DiagnosticStatus.WARN, "no fresh chunk: holding the last command"
+        elif state == "stale_stop":
+            level, message = DiagnosticStatus.ERROR, "inputs stale: actions stopped"
+        elif state == "hold_timeout":
+            level, message = DiagnosticStatus.ERROR, "no fresh chunk for too long: actions stopped"
+        else:
+            level, message = DiagnosticStatus.WARN, f"no command ({state})"
+        values = dict(r, status=state, commands=self.commands, clamped_ticks=self.clamped_ticks,
+                      enabled=self.enabled, **self.follower.stats)
+        return [status("oxygen_ros: actions", level, message, values)]

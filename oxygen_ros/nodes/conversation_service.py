@@ -1,0 +1,208 @@
+"""ConversationService: /oxygen/converse (service), /oxygen/converse_stream (action) and /oxygen/memory.
+
+Requests go to the engine in-process and attach to the newest frame's KV handle: no KV and no image
+crosses DDS for language. The service never holds an executor thread while a reply is decoded (that
+would cap the decode batch at the thread count): its callback returns a deferred response, and the
+reply is sent when the engine finishes (rclpy has no deferred-response API; see _DeferredResponse).
+Its request queue is deep on purpose: with the default depth (keep last 10) a burst of 200 calls from
+one client lost 180 of them silently in the middleware; every request that reaches the package gets a
+reply or an error.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+
+from diagnostic_msgs.msg import DiagnosticStatus
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.node import Node
+from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
+
+from oxygen_ros.engine.engine import Caption, Engine
+from oxygen_ros.engine.requests import Reply, Sampling, TextRequest
+
+from .action_output import ros_time
+from .engine_node import status
+from .params import Param, declare_all
+
+PARAMS = [
+    Param("service_name", "/oxygen/converse", "Conversation service (oxygen_interfaces/srv/Converse)."),
+    Param("action_name", "/oxygen/converse_stream", "Streaming conversation (oxygen_interfaces/action/Converse)."),
+    Param("memory_topic", "/oxygen/memory", "Scene captions (oxygen_interfaces/msg/Caption)."),
+    Param("default_max_tokens", 32, "Reply length when a request asks for 0.", minimum=1),
+    Param("default_timeout_s", 30.0, "Request timeout when a request asks for 0.", minimum=0.1),
+    Param("request_queue_depth", 1000, "Service request queue in the middleware (keep-last depth).", minimum=1),
+    Param("max_streams", 8, "Concurrent streaming goals (each holds one executor thread while it streams).",
+          minimum=1),
+]
+
+
+class _DeferredResponse:
+    """A service response sent once both the engine's reply and the request's header are known, from
+    whichever thread provides the second."""
+
+    def __init__(self, send):
+        self._send = send
+        self._lock = threading.Lock()
+        self._header = None
+        self._response = None
+
+    def bind(self, header) -> None:
+        with self._lock:
+            self._header = header
+            ready = self._response is not None
+        if ready:
+            self._send(self._response, header)
+
+    def complete(self, response) -> None:
+        with self._lock:
+            self._response = response
+            header = self._header
+        if header is not None:
+            self._send(response, header)
+
+
+class ConversationService(Node):
+    def __init__(self, engine: Engine, **node_kwargs):
+        super().__init__("oxygen_conversation", **node_kwargs)
+        from oxygen_interfaces.action import Converse as ConverseAction
+        from oxygen_interfaces.msg import Caption as CaptionMsg
+        from oxygen_interfaces.srv import Converse
+
+        self.engine = engine
+        self.p = declare_all(self, PARAMS)
+        self._Converse, self._ConverseAction, self._CaptionMsg = Converse, ConverseAction, CaptionMsg
+        self._seeds = itertools.count(1)
+        self.counts = {"requests": 0, "answered": 0, "failed": 0, "streams": 0, "streams_rejected": 0}
+        self._streams: dict = {}            # goal id -> engine handle (for cancel)
+        self._stream_slots = 0              # accepted goals not finished yet
+        self._streams_lock = threading.Lock()
+
+        qos = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=self.p["request_queue_depth"],
+                         reliability=ReliabilityPolicy.RELIABLE)
+        self.service = self.create_service(Converse, self.p["service_name"], self._on_request, qos_profile=qos,
+                                           callback_group=MutuallyExclusiveCallbackGroup())
+        send = self.service.send_response
+        # The executor calls service.send_response(callback's return, header): a deferred response
+        # captures the header instead and sends later with the real response.
+        self.service.send_response = lambda response, header: (
+            response.bind(header) if isinstance(response, _DeferredResponse) else send(response, header))
+        self._send_response = send
+
+        self.action_server = ActionServer(
+            self, ConverseAction, self.p["action_name"], execute_callback=self._execute_stream,
+            goal_callback=self._on_goal, cancel_callback=self._on_cancel, callback_group=ReentrantCallbackGroup())
+
+        self.memory_pub = self.create_publisher(CaptionMsg, self.p["memory_topic"], 10)
+        self._captions: queue.SimpleQueue = queue.SimpleQueue()
+        engine.add_caption_listener(self._captions.put)          # engine thread: enqueue only
+        self.create_timer(0.1, self._publish_captions, callback_group=MutuallyExclusiveCallbackGroup())
+
+    # ------------------------------------------------------------------ request mapping
+    def _text_request(self, r) -> TextRequest:
+        return TextRequest(
+            text=r.text, max_tokens=r.max_tokens or self.p["default_max_tokens"],
+            sampling=Sampling(temperature=max(float(r.temperature), 0.0), top_p=float(r.top_p) or 1.0,
+                              seed=next(self._seeds)),
+            stop=tuple(s for s in r.stop if s), timeout_s=float(r.timeout_s) or self.p["default_timeout_s"],
+            session_id=r.session_id)
+
+    def _submit(self, r):
+        self.counts["requests"] += 1
+        try:
+            request = self._text_request(r)
+        except ValueError as e:  # e.g. top_p out of range
+            from oxygen_ros.engine.requests import refused
+
+            return refused(TextRequest(r.text), str(e))
+        return self.engine.submit(request)
+
+    def _fill(self, target, reply: Reply):
+        target.success, target.reply, target.error = reply.success, reply.text, reply.error
+        target.tokens = len(reply.tokens)
+        target.frame_index = max(reply.frame_index, 0)
+        target.frame_stamp = ros_time(reply.frame_stamp)
+        target.queue_s, target.latency_s, target.finish_reason = reply.queue_s, reply.latency_s, reply.finish_reason
+        self.counts["answered" if reply.success else "failed"] += 1
+        if not reply.success:
+            self.get_logger().warning(f"conversation request failed ({reply.finish_reason}): {reply.error}",
+                                      throttle_duration_sec=1.0)
+        return target
+
+    # ------------------------------------------------------------------ service
+    def _on_request(self, request, response):
+        deferred = _DeferredResponse(self._send_response)
+        handle = self._submit(request)
+        handle.add_done_callback(lambda reply: deferred.complete(self._fill(self._Converse.Response(), reply)))
+        return deferred
+
+    # ------------------------------------------------------------------ streaming action
+    def _on_goal(self, goal) -> GoalResponse:
+        with self._streams_lock:
+            if self._stream_slots >= self.p["max_streams"]:
+                self.counts["streams_rejected"] += 1
+                self.get_logger().warning(f"streaming goal rejected: {self._stream_slots} streams already active "
+                                          f"(max_streams={self.p['max_streams']})", throttle_duration_sec=1.0)
+                return GoalResponse.REJECT
+            self._stream_slots += 1
+        return GoalResponse.ACCEPT
+
+    def _on_cancel(self, goal_handle) -> CancelResponse:
+        with self._streams_lock:
+            handle = self._streams.get(bytes(goal_handle.goal_id.uuid))
+        if handle is not None:
+            handle.cancel()
+        return CancelResponse.ACCEPT
+
+    def _execute_stream(self, goal_handle):
+        key = bytes(goal_handle.goal_id.uuid)
+        handle = self._submit(goal_handle.request)
+        with self._streams_lock:
+            self._streams[key] = handle
+        self.counts["streams"] += 1
+        try:
+            timeout = (float(goal_handle.request.timeout_s) or self.p["default_timeout_s"]) + 5.0
+            try:
+                for partial in handle.partials(timeout=timeout):
+                    feedback = self._ConverseAction.Feedback(partial_reply=partial)
+                    feedback.tokens = len(self.engine.runner.tokenizer.encode(partial))
+                    goal_handle.publish_feedback(feedback)
+                    if goal_handle.is_cancel_requested:
+                        handle.cancel()
+            except TimeoutError:
+                handle.cancel()
+            reply = handle.result(timeout=10.0)
+        finally:
+            with self._streams_lock:
+                self._streams.pop(key, None)
+                self._stream_slots -= 1
+        result = self._fill(self._ConverseAction.Result(), reply)
+        if reply.finish_reason == "cancelled" and goal_handle.is_cancel_requested:
+            goal_handle.canceled()
+        elif reply.success:
+            goal_handle.succeed()
+        else:
+            goal_handle.abort()
+        return result
+
+    # ------------------------------------------------------------------ memory
+    def _publish_captions(self) -> None:
+        while True:
+            try:
+                c: Caption = self._captions.get_nowait()
+            except queue.Empty:
+                return
+            msg = self._CaptionMsg(frame_index=c.frame_index, prompt=c.prompt, text=c.text)
+            msg.header.stamp = ros_time(c.stamp)
+            self.memory_pub.publish(msg)
+
+    def diagnostics(self) -> list[DiagnosticStatus]:
+        level = DiagnosticStatus.OK
+        message = "ready"
+        if self.engine.queued_requests >= self.engine.config.max_queued_requests:
+            level, message = DiagnosticStatus.WARN, "request queue full: new requests are refused as busy"
+        values = dict(self.counts, active=self.engine.active_requests, queued=self.engine.queued_requests,
+                      active_streams=self._stream_slots, captions=len(self.engine.captions()))
+        return [status("oxygen_ros: conversation", level, message, values)]

@@ -1,0 +1,167 @@
+"""EngineNode: owns the engine's parameters, builds the engine once, and publishes /diagnostics.
+
+The engine itself is not a ROS entity: it is a thread that owns the device. The other nodes of the
+process hold a reference to it (in-process handles: no KV and no image crosses DDS for language).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rclpy.node import Node
+
+from oxygen_ros.engine.engine import POLICIES, Engine, EngineConfig
+from oxygen_ros.engine.factory import build_engine, model_config
+from oxygen_ros.model.config import PREFIX_MODES, PRESETS
+
+from .params import Param, ParameterError, declare_all
+
+PARAMS = [
+    Param("model", "tiny", "Model size: a preset (tiny, bench, pi05) or a model config file (JSON/YAML)."),
+    Param("checkpoint", "", "openpi or LeRobot pi05 checkpoint (directory with model.safetensors, or the "
+                            "file). Empty: deterministic random weights (demo and benchmarks only)."),
+    Param("tokenizer", "", "SentencePiece model (the PaliGemma tokenizer for real checkpoints). Empty: the "
+                           "small tokenizer shipped for the tiny/bench presets."),
+    Param("norm_stats", "", "openpi norm_stats.json, or a checkpoint directory holding "
+                            "assets/<asset_id>/norm_stats.json. Empty: no (un)normalisation."),
+    Param("asset_id", "", "Which assets/<asset_id> folder to take norm stats from when there are several."),
+    Param("device", "auto", "Where the model runs.", choices=("auto", "cpu", "cuda")),
+    Param("attention_backend", "auto", "Attention/norm kernels: Triton on CUDA, torch on the CPU.",
+          choices=("auto", "torch", "triton")),
+    Param("policy", "oxygen", "Scheduling policy (isolated and shared_kv exist for comparisons).",
+          choices=POLICIES),
+    Param("decode_budget", "deadline", "Language decode steps per frame: until the next chunk is due "
+                                       "(deadline) or a fixed tokens_per_frame.", choices=("deadline", "fixed")),
+    Param("tokens_per_frame", 5, "Decode steps per frame with decode_budget=fixed.", minimum=1),
+    Param("min_tokens_per_frame", 1, "Decode steps every active request gets per frame even when late.",
+          minimum=0),
+    Param("max_active_requests", 32, "Largest decode batch.", minimum=1),
+    Param("max_queued_requests", 64, "Requests that may wait for admission; more are refused as busy.",
+          minimum=0),
+    Param("max_tokens_limit", 256, "Largest max_tokens a request may ask for.", minimum=1),
+    Param("max_question_chars", 2000, "Longest question accepted (characters).", minimum=1),
+    Param("question_template", "{text}\n", "How a question is appended after the frame's prefix."),
+    Param("kv_budget_mb", 256.0, "Memory of the paged KV pool (MiB).", minimum=1.0),
+    Param("block_size", 16, "Tokens per KV block.", minimum=1, maximum=1024),
+    Param("action_rate_hz", 70.0, "Action publishing rate; chunk rows are 1/action_rate_hz apart.",
+          minimum=1.0, maximum=1000.0),
+    Param("action_horizon", 0, "Actions per chunk (0: the model's). Must match what the checkpoint was "
+                               "trained with.", minimum=0),
+    Param("denoise_steps", 0, "Flow-matching steps per chunk (0: the model's).", minimum=0),
+    Param("max_token_len", 0, "Longest prompt in tokens (0: the model's).", minimum=0),
+    Param("prefix_language_attention", "", "Prefix mask: bidirectional (upstream openpi, the official "
+                                           "checkpoints) or causal (OxyGen code). Empty: the model's.",
+          choices=("",) + PREFIX_MODES),
+    Param("state_in_prompt", True, "Discretised state in the prompt (pi05 default; pi05_libero: false)."),
+    Param("robot_action_dim", 0, "Action dimensions the robot uses (0: all of the model's).", minimum=0),
+    Param("delta_action_mask", [], "Per action dimension: true where the model predicts a change from the "
+                                   "current state (openpi delta actions, e.g. ALOHA joints); grippers false."),
+    Param("memory_prompt", "Describe the scene.", "Prompt of the periodic scene captions."),
+    Param("memory_every_frames", 0, "Caption every N frames (0: off).", minimum=0),
+    Param("memory_period_s", 0.0, "Caption every S seconds (0: off).", minimum=0.0),
+    Param("memory_max_tokens", 24, "Caption length in tokens.", minimum=1),
+    Param("memory_log_size", 100, "Captions kept in the engine's log.", minimum=1),
+    Param("subtask", False, "pi0.5 subtask mode: generate a subtask text, then condition the actions on it."),
+    Param("subtask_max_tokens", 12, "Longest subtask text in tokens.", minimum=1),
+    Param("max_consecutive_faults", 5, "Faulty frames in a row that trip the safe stop.", minimum=1),
+    Param("seed", 0, "Seed of the flow-matching noise and of the random demo weights."),
+    Param("torch_threads", 0, "CPU threads for torch (0: torch's default).", minimum=0),
+]
+
+
+class EngineNode(Node):
+    def __init__(self, **node_kwargs):
+        super().__init__("oxygen_engine", **node_kwargs)
+        self.p = declare_all(self, PARAMS)
+        self.engine = self._build()
+        self._sources: list[Callable[[], list[DiagnosticStatus]]] = [self._engine_status]
+        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self.create_timer(1.0, self._publish_diagnostics)
+
+    def _build(self) -> Engine:
+        p = self.p
+        problems = []
+        if p["model"] not in PRESETS and not Path(p["model"]).is_file():
+            problems.append(f"model {p['model']!r} is neither a preset ({', '.join(PRESETS)}) nor a config file")
+        for key in ("checkpoint", "tokenizer", "norm_stats"):
+            if p[key] and not Path(p[key]).exists():
+                problems.append(f"{key} not found: {p[key]}")
+        device = p["device"]
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif device == "cuda" and not torch.cuda.is_available():
+            problems.append("device is cuda but torch sees no CUDA device")
+        if problems:
+            raise ParameterError("\n".join(problems))
+        if p["torch_threads"]:
+            torch.set_num_threads(p["torch_threads"])
+        overrides = dict(action_horizon=p["action_horizon"] or None, num_denoise_steps=p["denoise_steps"] or None,
+                         max_token_len=p["max_token_len"] or None,
+                         prefix_language_attention=p["prefix_language_attention"] or None)
+        try:
+            cfg = model_config(p["model"], **overrides)
+        except ValueError as e:
+            raise ParameterError(str(e)) from None
+        if p["robot_action_dim"] > cfg.action_dim:
+            raise ParameterError(f"robot_action_dim {p['robot_action_dim']} exceeds the model's action_dim "
+                                 f"{cfg.action_dim}")
+        engine_cfg = EngineConfig(
+            policy=p["policy"], action_rate_hz=p["action_rate_hz"], decode_budget=p["decode_budget"],
+            tokens_per_frame=p["tokens_per_frame"], min_tokens_per_frame=p["min_tokens_per_frame"],
+            max_active_requests=p["max_active_requests"], max_queued_requests=p["max_queued_requests"],
+            max_tokens_limit=p["max_tokens_limit"], max_question_chars=p["max_question_chars"],
+            question_template=p["question_template"], memory_prompt=p["memory_prompt"],
+            memory_every_frames=p["memory_every_frames"], memory_period_s=p["memory_period_s"],
+            memory_max_tokens=p["memory_max_tokens"], memory_log_size=p["memory_log_size"],
+            subtask=p["subtask"], subtask_max_tokens=p["subtask_max_tokens"],
+            max_consecutive_faults=p["max_consecutive_faults"], seed=p["seed"])
+        try:
+            engine_cfg.validate()
+            engine = build_engine(
+                cfg, checkpoint=p["checkpoint"] or None, tokenizer=p["tokenizer"] or None,
+                norm_stats=p["norm_stats"] or None, asset_id=p["asset_id"] or None, engine=engine_cfg,
+                device=device, kv_budget_mb=p["kv_budget_mb"], block_size=p["block_size"],
+                backend=None if p["attention_backend"] == "auto" else p["attention_backend"],
+                robot_action_dim=p["robot_action_dim"] or None, state_in_prompt=p["state_in_prompt"],
+                delta_action_mask=[bool(v) for v in p["delta_action_mask"]] or None, seed=p["seed"])
+        except (ValueError, FileNotFoundError) as e:
+            raise ParameterError(str(e)) from None
+        source = p["checkpoint"] or "random weights (no checkpoint)"
+        self.get_logger().info(f"engine ready: {p['model']} from {source} on {device}, policy {p['policy']}, "
+                               f"{engine.runner.pool.num_blocks} KV blocks of {p['block_size']} tokens")
+        return engine
+
+    # ------------------------------------------------------------------ diagnostics
+    def add_diagnostics(self, source: Callable[[], list[DiagnosticStatus]]) -> None:
+        self._sources.append(source)
+
+    def _publish_diagnostics(self) -> None:
+        msg = DiagnosticArray()
+        msg.header.stamp = self.get_clock().now().to_msg()
+        for source in self._sources:
+            msg.status.extend(source())
+        self._diag_pub.publish(msg)
+
+    def _engine_status(self) -> list[DiagnosticStatus]:
+        s = self.engine.stats.snapshot()
+        level, message = DiagnosticStatus.OK, "running"
+        if self.engine.faulted:
+            level, message = DiagnosticStatus.ERROR, f"safe stop: {self.engine.faulted}"
+        elif s["frames"] == 0:
+            level, message = DiagnosticStatus.WARN, "no frame processed yet"
+        elif s["frame_ms_mean"] > 1e3 * self.engine.frame_period:
+            level, message = DiagnosticStatus.WARN, "frames slower than the action horizon lasts"
+        values = {k: s[k] for k in ("frames", "frame_ms_mean", "frame_ms_p99", "prefill_ms_mean", "action_ms_mean",
+                                    "action_hz", "tokens_per_s", "avg_batch", "deadline_misses", "dropped_frames",
+                                    "faults", "active_requests", "queued_requests", "pool_blocks_used",
+                                    "pool_blocks_total", "pool_occupancy")}
+        values["last_error"] = s["last_error"]
+        return [status("oxygen_ros: engine", level, message, values)]
+
+
+def status(name: str, level, message: str, values: dict) -> DiagnosticStatus:
+    st = DiagnosticStatus(name=name, level=level, message=message, hardware_id="oxygen_ros")
+    st.values = [KeyValue(key=k, value=f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in values.items()]
+    return st

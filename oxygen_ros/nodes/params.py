@@ -1,0 +1,56 @@
+"""Declaring ROS parameters the ros2/examples way (defaults and descriptions), read back as plain values.
+
+Problems are collected, not raised one by one, so a node that refuses to start lists every bad
+parameter in one message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rcl_interfaces.msg import ParameterDescriptor
+
+
+class ParameterError(ValueError):
+    """Bad or inconsistent parameters: the message lists every problem, one per line."""
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    default: Any
+    description: str
+    choices: tuple = ()
+    minimum: float | None = None
+    maximum: float | None = None
+
+
+def declare_all(node, specs: list[Param]) -> dict[str, Any]:
+    """Declare `specs` on `node` and return {name: value}; raise ParameterError listing every value
+    outside its choices or range."""
+    values, problems = {}, []
+    for p in specs:
+        desc = p.description
+        if p.choices:
+            desc += f" One of: {', '.join(map(str, p.choices))}."
+        # Empty-list defaults cannot carry their element type in rclpy: accept any type, check below.
+        dynamic = isinstance(p.default, list) and not p.default
+        node.declare_parameter(p.name, p.default, ParameterDescriptor(description=desc, dynamic_typing=dynamic))
+        value = node.get_parameter(p.name).value
+        if isinstance(p.default, list) and value is None:
+            value = []
+        if isinstance(p.default, list):
+            value = list(value)
+            kind = type(p.default[0]) if p.default else None
+            if kind is float:
+                value = [float(v) for v in value]
+        if p.choices and value not in p.choices:
+            problems.append(f"{node.get_name()}.{p.name} = {value!r}: must be one of {list(p.choices)}")
+        if p.minimum is not None and value < p.minimum:
+            problems.append(f"{node.get_name()}.{p.name} = {value!r}: must be >= {p.minimum}")
+        if p.maximum is not None and value > p.maximum:
+            problems.append(f"{node.get_name()}.{p.name} = {value!r}: must be <= {p.maximum}")
+        values[p.name] = value
+    if problems:
+        raise ParameterError("\n".join(problems))
+    return values
