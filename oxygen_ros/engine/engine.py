@@ -329,11 +329,12 @@ class Engine:
             model_actions, robot_actions = self.runner.actions(frame, noise_t, self.config.denoise_steps,
                                                                np.asarray(obs.state, dtype=np.float64))
             report.action_s = self.clock() - t
-        except (EngineFault, RuntimeError, ValueError) as e:
-            # Includes PoolExhausted (cannot happen while the reserve holds) and injected faults.
+        except Exception as e:  # noqa: BLE001 - any failure of the frame's computation is a fault
+            # NaN/inf (EngineFault), PoolExhausted (cannot happen while the reserve holds), device errors,
+            # injected faults: the chunk is discarded, the publisher keeps its safe behaviour.
             if frame is not None:
                 frame.release()
-            self._fault(index, str(e), report)
+            self._fault(index, f"{type(e).__name__}: {e}", report)
             return None
         self._consecutive_faults = 0
         plan = ActionChunkPlan(robot_actions, prepared.stamp, 1.0 / self.config.action_rate_hz, index)

@@ -1,0 +1,325 @@
+"""`python -m oxygen_ros.bench`: the engine's three policies side by side, in one process.
+
+isolated (openpi-style: a prefill for the action and another per request, each reply decoded alone inside
+its frame), shared_kv (one prefill per frame, replies still decoded alone inside the frame) and oxygen
+(one prefill per frame, every active reply advanced together, k tokens per frame) run on the same weights,
+the same synthetic frames, the same per-frame noise and the same requests, interleaved within each
+repetition (rep 1: isolated, shared_kv, oxygen; rep 2: ...), after an untimed warm-up. Replies are greedy
+and run to exactly --reply-tokens tokens (EOS ignored, `EngineConfig.ignore_eos`) so every setting does the
+same work. The figures and the measured limit are defined in oxygen_ros/bench/analysis.py.
+
+Paper default workload: 10 denoise steps, 30-token replies, 5 tokens per frame, one request per frame.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from oxygen_ros.engine.engine import POLICIES, Engine, EngineConfig
+
+from . import analysis, report
+from .harness import run_workload
+from .reference import standalone_check
+from .workload import ROBOTS, make_workload, parse_arrival
+
+DEFAULT_PROMPT = "pick up the black bowl and place it on the plate"
+DEFAULT_QUESTION = "What objects are on the table?"
+SWEEP_KNOBS = ("reply-tokens", "tokens-per-frame")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m oxygen_ros.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", choices=("tiny", "bench", "pi05"), default="bench", help="model size")
+    p.add_argument("--checkpoint", default=None, help="weights (default: deterministic random weights)")
+    p.add_argument("--tokenizer", default=None, help="SentencePiece model (default: the shipped small one)")
+    p.add_argument("--settings", default=",".join(POLICIES),
+                   help="comma-separated subset of " + ",".join(POLICIES))
+    p.add_argument("--frames", type=int, default=12, help="frames per repetition")
+    p.add_argument("--denoise-steps", type=int, default=10)
+    p.add_argument("--reply-tokens", type=int, default=30, help="tokens per reply (greedy, exactly this many)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--tokens-per-frame", type=int, default=5, help="fixed decode budget: steps per cycle")
+    budget.add_argument("--deadline", action="store_true",
+                        help="deadline decode budget: decode while the frame period (horizon / action rate) lasts")
+    p.add_argument("--action-rate-hz", type=float, default=70.0, help="sets the frame period of --deadline")
+    p.add_argument("--arrival", default="every", help="every | every:K | burst:N | poisson:RATE (requests per frame)")
+    p.add_argument("--robot", choices=sorted(ROBOTS), default="libero")
+    p.add_argument("--repeat", type=int, default=3, help="timed repetitions per setting")
+    p.add_argument("--warmup-frames", type=int, default=2, help="untimed frames per setting before the runs")
+    p.add_argument("--check-frames", type=int, default=2,
+                   help="frames also checked against standalone inference (0: off)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="default: float32 on the CPU, bfloat16 on CUDA")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--kv-budget-mb", type=float, default=256.0, help="KV pool per engine")
+    p.add_argument("--max-batch", type=int, default=64, help="decode batch cap (EngineConfig.max_active_requests)")
+    p.add_argument("--seed", type=int, default=0, help="weights, frames, noise and Poisson arrivals")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the task prompt of every frame")
+    p.add_argument("--question", default=DEFAULT_QUESTION, help="the text of every request")
+    p.add_argument("--sweep", default=None, metavar="KNOB=V1,V2,...",
+                   help=f"also measure speedup vs a knob ({' or '.join(SWEEP_KNOBS)}), e.g. reply-tokens=10,30,60")
+    p.add_argument("--sweep-repeat", type=int, default=1, help="repetitions per sweep point")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="write a PNG plot (matplotlib)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def _check_args(p: argparse.ArgumentParser, a) -> list[str]:
+    settings = [s.strip() for s in a.settings.split(",") if s.strip()]
+    bad = [s for s in settings if s not in POLICIES]
+    if bad or not settings or len(set(settings)) != len(settings):
+        p.error(f"--settings must be a comma-separated subset of {','.join(POLICIES)}, got {a.settings!r}")
+    for name in ("frames", "denoise_steps", "reply_tokens", "tokens_per_frame", "repeat", "sweep_repeat", "max_batch"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.warmup_frames < 0 or a.check_frames < 0:
+        p.error("--warmup-frames and --check-frames must be >= 0")
+    try:
+        parse_arrival(a.arrival)
+    except ValueError as e:
+        p.error(str(e))
+    if a.sweep:
+        knob, _, values = a.sweep.partition("=")
+        try:
+            vals = [int(v) for v in values.split(",") if v.strip()]
+        except ValueError:
+            vals = []
+        if knob not in SWEEP_KNOBS or not vals or min(vals) < 1:
+            p.error(f"--sweep must be KNOB=V1,V2,... with KNOB in {SWEEP_KNOBS} and positive integers")
+        if knob == "tokens-per-frame" and a.deadline:
+            p.error("--sweep tokens-per-frame needs the fixed budget (not --deadline)")
+        if "isolated" not in settings:
+            p.error("--sweep needs the isolated setting (speedups are relative to it)")
+        a.sweep = (knob, vals)
+    return [s for s in POLICIES if s in settings]      # always in the canonical order
+
+
+# ---------------------------------------------------------------------------------------------- setup
+def _dtype(name):
+    return None if name is None else getattr(torch, name)
+
+
+def make_engine(model, setting: str, a, reply_tokens: int, tokens_per_frame: int) -> Engine:
+    from oxygen_ros.engine.factory import build_engine
+
+    cfg = EngineConfig(policy=setting, decode_budget="deadline" if a.deadline else "fixed",
+                       tokens_per_frame=tokens_per_frame, action_rate_hz=a.action_rate_hz,
+                       denoise_steps=a.denoise_steps, ignore_eos=True, max_active_requests=a.max_batch,
+                       max_queued_requests=max(64, 4 * a.max_batch), max_tokens_limit=max(256, reply_tokens),
+                       seed=a.seed)
+    if a.tokenizer is None and model.cfg.vocab_size > 50_000:
+        # Random full-size weights: any tokenizer whose ids fit works; the factory insists on the real one
+        # for real checkpoints, so wire the engine here with the shipped small tokenizer.
+        from oxygen_ros.engine.kv_pool import KVPool
+        from oxygen_ros.engine.runner import ModelRunner
+        from oxygen_ros.model.attention import default_backend
+        from oxygen_ros.model.tokenizer import Tokenizer
+
+        c = model.cfg.vlm
+        model.backend = default_backend(model.device)
+        pool = KVPool.from_budget(int(a.kv_budget_mb * 2**20), c.depth, c.num_kv_heads, c.head_dim, 16,
+                                  model.dtype, model.device)
+        return Engine(ModelRunner(model, Tokenizer.tiny(), pool, backend=model.backend), cfg)
+    return build_engine(built_model=model, engine=cfg, tokenizer=a.tokenizer, kv_budget_mb=a.kv_budget_mb)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except Exception:
+        return None
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- running
+def run_settings(engines: dict, wl, repeat: int, log, label: str = "") -> dict:
+    records = {s: [] for s in engines}
+    for rep in range(repeat):
+        for s, engine in engines.items():
+            rec = run_workload(engine, wl, s, rep)
+            records[s].append(rec)
+            log(f"{label}rep {rep + 1}/{repeat} {s:<9}: {len(rec.frame_cycles)} frames + "
+                f"{len(rec.cycles) - len(rec.frame_cycles)} decode-only cycles, {rec.tokens} tokens, {rec.wall_s:.2f} s")
+    return records
+
+
+def summarize(records: dict, engines: dict, wl, horizon: int) -> dict:
+    """Per-setting statistics, speedups, the measured limit and the equivalence checks of one workload."""
+    steady_from = analysis.ramp_frames(wl, records["oxygen"]) if "oxygen" in records else 0
+    settings = {s: analysis.setting_stats(recs, wl, horizon, steady_from) for s, recs in records.items()}
+    for s, st in settings.items():
+        st["pool_peak_blocks"] = int(engines[s].runner.pool.allocator.peak_used)
+        st["ideal_speedup"] = None
+    parts = analysis.measured_parts(records, wl, steady_from)
+    ideal = analysis.ideal_speedup(parts)
+    if "isolated" in records:
+        iso = settings["isolated"]
+        for s, st in settings.items():
+            st["speedup_vs_isolated"] = iso["total_s"] / st["total_s"] if st["total_s"] > 0 else None
+            st["speedup_per_rep"] = [a.wall_s / b.wall_s for a, b in zip(records["isolated"], records[s])]
+            st["steady_speedup_vs_isolated"] = (iso["steady_frame_ms_mean"] / st["steady_frame_ms_mean"]
+                                                if st["steady_frame_ms_mean"] and iso["steady_frame_ms_mean"] else None)
+    else:
+        for st in settings.values():
+            st["speedup_vs_isolated"] = st["steady_speedup_vs_isolated"] = None
+            st["speedup_per_rep"] = []
+    if "oxygen" in settings:
+        ox = settings["oxygen"]
+        ox["ideal_speedup"] = ideal["ideal_speedup"] if ideal else None
+        ox["fraction_of_ideal"] = (ox["speedup_vs_isolated"] / ox["ideal_speedup"]
+                                   if ox["ideal_speedup"] and ox["speedup_vs_isolated"] else None)
+        ox["steady_fraction_of_ideal"] = (ox["steady_speedup_vs_isolated"] / ox["ideal_speedup"]
+                                          if ox["ideal_speedup"] and ox["steady_speedup_vs_isolated"] else None)
+    if "shared_kv" in settings and ideal and "isolated" in settings:
+        settings["shared_kv"]["ideal_speedup"] = ideal["isolated_frame_s"] / ideal["shared_kv_frame_s"]
+    return {"settings": settings, "steady_from_frame": steady_from,
+            "limit": {"parts": parts, "ideal": ideal, "definition": analysis.__doc__.split("\n\n", 2)[2].strip()},
+            "equivalence": analysis.equivalence(records)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    names = _check_args(parser, a)
+    log = (lambda *_: None) if a.quiet else (lambda msg: print(msg, flush=True))
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    load_start = _load()
+    from oxygen_ros.engine.factory import build_model, model_config
+    from oxygen_ros.model.config import num_parameters
+
+    cfg = model_config(a.preset)
+    t = time.perf_counter()
+    model = build_model(cfg, a.checkpoint, a.device, _dtype(a.dtype), a.seed)
+    log(f"model {a.preset}: {num_parameters(cfg) / 1e6:.1f} M parameters, {model.dtype} on {model.device} "
+        f"(built in {time.perf_counter() - t:.1f} s)")
+    engines = {s: make_engine(model, s, a, a.reply_tokens, a.tokens_per_frame) for s in names}
+    first = engines[names[0]]
+    common = dict(robot=a.robot, arrival=a.arrival, denoise_steps=a.denoise_steps,
+                  budget="deadline" if a.deadline else "fixed", tokens_per_frame=a.tokens_per_frame,
+                  action_rate_hz=a.action_rate_hz, seed=a.seed, action_horizon=cfg.action_horizon,
+                  action_dim=cfg.action_dim, prompt=a.prompt, question=a.question)
+    wl = make_workload(frames=a.frames, reply_tokens=a.reply_tokens, **common)
+
+    if a.warmup_frames:
+        warm = make_workload(frames=a.warmup_frames, reply_tokens=a.reply_tokens, offset=1,
+                             **{**common, "arrival": "every"})
+        t = time.perf_counter()
+        for s, engine in engines.items():
+            run_workload(engine, warm, s, -1)
+        log(f"warm-up: {a.warmup_frames} frames per setting in {time.perf_counter() - t:.1f} s (not counted)")
+    for engine in engines.values():   # peak pool use of the timed runs only
+        engine.runner.pool.allocator.peak_used = engine.runner.pool.allocator.num_used
+
+    records = run_settings(engines, wl, a.repeat, log)
+    result = summarize(records, engines, wl, cfg.action_horizon)
+    if a.check_frames:
+        sa = standalone_check(first, wl, records[names[0]][0], a.check_frames)
+        result["equivalence"]["standalone"] = sa
+        result["equivalence"]["max_action_diff"] = max(result["equivalence"]["max_action_diff"], sa["max_action_diff"])
+        result["equivalence"]["replies_match"] = bool(result["equivalence"]["replies_match"] and sa["replies_match"])
+    result["pool_empty_at_end"] = all(e.runner.pool.allocator.num_used == 0 for e in engines.values())
+
+    if a.sweep:
+        knob, values = a.sweep
+        points = []
+        for v in values:
+            T = v if knob == "reply-tokens" else a.reply_tokens
+            k = v if knob == "tokens-per-frame" else a.tokens_per_frame
+            sw_engines = {s: make_engine(model, s, a, T, k) for s in names}
+            sw_wl = make_workload(frames=a.frames, reply_tokens=T, **{**common, "tokens_per_frame": k})
+            recs = run_settings(sw_engines, sw_wl, a.sweep_repeat, log, label=f"sweep {knob}={v} ")
+            res = summarize(recs, sw_engines, sw_wl, cfg.action_horizon)
+            st = res["settings"]
+            ox = st.get("oxygen", {})
+            points.append({"value": v, "speedup_vs_isolated": ox.get("speedup_vs_isolated"),
+                           "ideal_speedup": ox.get("ideal_speedup"), "fraction_of_ideal": ox.get("fraction_of_ideal"),
+                           "shared_kv_speedup": st.get("shared_kv", {}).get("speedup_vs_isolated"),
+                           "oxygen_tokens_per_s": ox.get("tokens_per_s"), "oxygen_action_hz": ox.get("action_hz"),
+                           "isolated_tokens_per_s": st["isolated"]["tokens_per_s"],
+                           "avg_batch": ox.get("avg_batch"),
+                           "replies_match": res["equivalence"]["replies_match"],
+                           "max_action_diff": res["equivalence"]["max_action_diff"]})
+            result["pool_empty_at_end"] &= all(e.runner.pool.allocator.num_used == 0 for e in sw_engines.values())
+        result["sweep"] = {"knob": knob, "repetitions": a.sweep_repeat, "points": points}
+
+    result["meta"] = {
+        "machine": f"{platform.node()} ({platform.machine()})", "platform": platform.platform(),
+        "cpu_model": _cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(), "triton": _version("triton"), "numpy": np.__version__,
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
+        "preset": a.preset, "parameters": num_parameters(cfg),
+        "parameters_built": int(sum(p.numel() for p in model.parameters())),
+        "weights": a.checkpoint or f"random (seed {a.seed})", "dtype": str(model.dtype).removeprefix("torch."),
+        "device": str(model.device), "attention_backend": first.runner.backend,
+        "frame_period_s": first.frame_period, "action_horizon": cfg.action_horizon,
+        "workload": wl.params(), "settings": names, "repetitions": a.repeat, "warmup_frames": a.warmup_frames,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m oxygen_ros.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "git_commit": _git_commit(), "load_avg_start": load_start, "load_avg_end": _load(),
+    }
+    result = {k: result[k] for k in ("settings", "equivalence", "pool_empty_at_end", "meta", "limit",
+                                     "steady_from_frame", "sweep") if k in result}
+    print(report.table(result), flush=True)
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(result, indent=2, default=_jsonable, allow_nan=False) + "\n")
+        log(f"wrote {a.json}")
+    if a.plot:
+        Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
+        report.plot(result, a.plot)
+        log(f"wrote {a.plot}")
+    return 0
+
+
+def _jsonable(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,97 @@
+"""Test harness for the ROS side: runs oxygen_bringup in its own process (as a robot would) on a private
+DDS domain, and gives the test process an rclpy node with a background executor to talk to it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import rclpy
+from rclpy.context import Context
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.node import Node
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def private_domain(offset: int) -> int:
+    """A DDS domain id of this test process (0..101 are valid with the default port mapping)."""
+    return 1 + (os.getpid() * 7 + offset) % 100
+
+
+class Bringup:
+    """oxygen_bringup in a subprocess; its combined output is collected for log assertions."""
+
+    def __init__(self, args: list[str], domain: int, timeout_s: float = 120.0):
+        env = dict(os.environ, ROS_DOMAIN_ID=str(domain), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "oxygen_ros.bringup", *args,
+                                      "--duration", str(timeout_s)], cwd=REPO, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for_line(self, text: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.lines):
+                return True
+            if self.proc.poll() is not None:
+                return False
+            time.sleep(0.05)
+        return False
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(2)  # SIGINT: the bringup's orderly shutdown
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._reader.join(5)
+        return self.proc.returncode
+
+
+class RosClient:
+    """A node in the test process, spun by a background executor on its own rclpy context."""
+
+    def __init__(self, domain: int, name: str = "oxygen_test_client"):
+        os.environ["ROS_DOMAIN_ID"] = str(domain)
+        self.context = Context()
+        rclpy.init(context=self.context)
+        self.node = Node(name, context=self.context)
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.node)
+        self._thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self._thread.start()
+
+    def collect(self, msg_type, topic: str, qos=10) -> list:
+        """Subscribe and return the list the messages (with arrival times) are appended to."""
+        received: list = []
+        self.node.create_subscription(msg_type, topic, lambda m: received.append((time.monotonic(), m)), qos)
+        return received
+
+    def close(self):
+        self.executor.shutdown(timeout_sec=2.0)
+        self.node.destroy_node()
+        rclpy.shutdown(context=self.context)
+
+
+def wait_until(predicate, timeout: float, period: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(period)
+    return predicate()
