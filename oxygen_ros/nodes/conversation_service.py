@@ -21,7 +21,9 @@ from rclpy.node import Node
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
 
 from oxygen_ros.engine.engine import Caption, Engine
-from oxygen_ros.engine.requests import Reply, Sampling, TextRequest
+from oxygen_ros.engine.requests import Reply, Sampling, TextRequest, refused
+from oxygen_ros.engine.sessions import Sessions
+from oxygen_ros.robot.text import validate_text
 
 from .action_output import ros_time
 from .engine_node import status
@@ -36,6 +38,9 @@ PARAMS = [
     Param("request_queue_depth", 1000, "Service request queue in the middleware (keep-last depth).", minimum=1),
     Param("max_streams", 8, "Concurrent streaming goals (each holds one executor thread while it streams).",
           minimum=1),
+    Param("session_turns", 4, "Earlier turns of a session (same session_id) put in front of its question.",
+          minimum=0),
+    Param("max_sessions", 100, "Sessions remembered (least recently used forgotten first).", minimum=1),
 ]
 
 
@@ -75,6 +80,7 @@ class ConversationService(Node):
         self.p = declare_all(self, PARAMS)
         self._Converse, self._ConverseAction, self._CaptionMsg = Converse, ConverseAction, CaptionMsg
         self._seeds = itertools.count(1)
+        self.sessions = Sessions(self.p["session_turns"], self.p["max_sessions"], engine.config.max_question_chars)
         self.counts = {"requests": 0, "answered": 0, "failed": 0, "streams": 0, "streams_rejected": 0}
         self._streams: dict = {}            # goal id -> engine handle (for cancel)
         self._stream_slots = 0              # accepted goals not finished yet
@@ -102,8 +108,9 @@ class ConversationService(Node):
 
     # ------------------------------------------------------------------ request mapping
     def _text_request(self, r) -> TextRequest:
+        question = validate_text(r.text, what="question", max_chars=self.engine.config.max_question_chars)
         return TextRequest(
-            text=r.text, max_tokens=r.max_tokens or self.p["default_max_tokens"],
+            text=self.sessions.question(r.session_id, question), max_tokens=r.max_tokens or self.p["default_max_tokens"],
             sampling=Sampling(temperature=max(float(r.temperature), 0.0), top_p=float(r.top_p) or 1.0,
                               seed=next(self._seeds)),
             stop=tuple(s for s in r.stop if s), timeout_s=float(r.timeout_s) or self.p["default_timeout_s"],
@@ -113,11 +120,14 @@ class ConversationService(Node):
         self.counts["requests"] += 1
         try:
             request = self._text_request(r)
-        except ValueError as e:  # e.g. top_p out of range
-            from oxygen_ros.engine.requests import refused
-
+        except ValueError as e:  # an empty or invalid question, top_p out of range...
             return refused(TextRequest(r.text), str(e))
-        return self.engine.submit(request)
+        handle = self.engine.submit(request)
+        if r.session_id:
+            question = r.text.strip()
+            handle.add_done_callback(
+                lambda reply: reply.success and self.sessions.record(r.session_id, question, reply.text))
+        return handle
 
     def _fill(self, target, reply: Reply):
         target.success, target.reply, target.error = reply.success, reply.text, reply.error
