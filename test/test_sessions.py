@@ -9,7 +9,7 @@ def test_history_is_prepended_and_bounded():
     s.record("a", "q2", "r2")
     s.record("a", "q3", "r3")
     assert s.question("a", "q4") == "q2\nr2\nq3\nr3\nq4"          # the last 2 turns only
-    assert s.question("a", "x" * 36) == "q3\nr3\n" + "x" * 36     # oldest turns dropped to fit 40 chars
+    assert s.question("a", "x" * 34) == "q3\nr3\n" + "x" * 34     # oldest turns dropped to fit 40 chars
     assert s.question("a", "x" * 40) == "x" * 40
     s.record("b", "q", "r")
     s.record("c", "q", "r")                                       # 3 sessions > 2: "a" is forgotten
