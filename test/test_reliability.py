@@ -157,3 +157,18 @@ def test_short_soak_has_no_leak_and_answers_everything():
     assert out["rss_growth_mb"] < 30.0
     assert out["captions"] >= 5
     assert np.isfinite(out["frame_ms_late"])
+
+
+def test_an_invalid_observation_is_rejected_by_the_engine_too(engine_factory, obs):
+    """Defence in depth: the nodes validate their inputs, and the engine checks what reaches it."""
+    engine = engine_factory(policy="oxygen")
+    bad = obs(0)
+    bad.state[2] = float("nan")
+    engine.run_cycle(bad)
+    no_camera = obs(1, cameras=(False, False, False))
+    engine.run_cycle(no_camera)
+    assert engine.latest_chunk() is None
+    assert engine.stats.counter("bad_observations") == 2 and engine.stats.snapshot()["frames"] == 0
+    assert "no valid camera image" in engine.stats.snapshot()["last_error"]
+    engine.run_cycle(obs(2))
+    assert engine.latest_chunk() is not None and engine.runner.pool.allocator.num_used == 0

@@ -309,6 +309,7 @@ class Engine:
         try:
             prepared = self.runner.prepare(obs)
         except InputError as e:
+            report.frame_index = None          # no frame was computed: not counted as one
             self.stats.count("bad_observations")
             self.stats.note_error(f"observation rejected: {e}")
             log.warning("frame %d: observation rejected: %s", index, e)
