@@ -38,7 +38,7 @@ def _slots(blocks, block_size: int, start: int, end: int, device) -> slice | tor
     """Flat pool slots of tokens start..end-1 of a segment: a slice (zero-copy view) when they are
     consecutive in the pool, else an index tensor."""
     slots = [blocks[j // block_size] * block_size + j % block_size for j in range(start, end)]
-    if slots and slots[-1] - slots[0] == len(slots) - 1:
+    if slots and slots == list(range(slots[0], slots[0] + len(slots))):
         return slice(slots[0], slots[-1] + 1)
     return torch.tensor(slots, dtype=torch.long, device=device)
 

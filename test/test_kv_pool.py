@@ -108,3 +108,14 @@ def test_pool_exhaustion_is_back_pressure_not_a_crash(engine_factory, obs):
     assert engine.stats.counter("admission_waits") > 0
     assert all(h.result(0).success for h in handles)
     assert pool.allocator.num_used == 0
+
+
+def test_attention_reads_the_right_slots_from_scattered_blocks():
+    """Blocks handed out out of order (normal once blocks are freed) must be gathered, not sliced: a
+    segment over blocks (3, 9, 5) spans slots 48..90 without being the run 48..90."""
+    from oxygen_ros.kernels.ops import _slots
+
+    idx = _slots((3, 9, 5), 16, 0, 43, "cpu")
+    expected = list(range(48, 64)) + list(range(144, 160)) + list(range(80, 91))
+    assert not isinstance(idx, slice) and idx.tolist() == expected
+    assert _slots((4, 5, 6), 16, 0, 40, "cpu") == slice(64, 104)
