@@ -90,7 +90,8 @@ class ObservationNode(Node):
                                  callback_group=group)
         # The prompt is an event, not a stream: reliable (volatile durability matches any publisher).
         self.create_subscription(String, self.p["prompt_topic"], self._on_prompt, 10, callback_group=group)
-        self.create_timer(0.02, self._poll, callback_group=group)   # masks cameras that went silent
+        # Inputs poll on arrival; this timer only notices cameras that went silent (then masked).
+        self.create_timer(0.1, self._poll, callback_group=group)
 
     # ------------------------------------------------------------------ callbacks
     def _on_image(self, slot: str, msg) -> None:
