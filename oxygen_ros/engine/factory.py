@@ -52,8 +52,9 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
     from oxygen_ros.model.attention import default_backend
 
     cfg = built_model.cfg if built_model is not None else model_config(model, **config_overrides)
-    if tokenizer is None and cfg.vocab_size > 50_000:
-        raise ValueError("a full-vocabulary model needs its tokenizer: give the PaliGemma tokenizer model path")
+    if tokenizer is None and checkpoint and cfg.vocab_size > 50_000:
+        # Real weights need their own tokenizer; random weights (benchmarks) run with the shipped small one.
+        raise ValueError("a full-vocabulary checkpoint needs its tokenizer: give the PaliGemma tokenizer path")
     tok = Tokenizer(tokenizer) if tokenizer else Tokenizer.tiny()
     net = built_model if built_model is not None else build_model(cfg, checkpoint, device, dtype, seed)
     backend = backend or default_backend(net.device)
