@@ -132,8 +132,10 @@ def test_streaming_partials_and_stop_strings(engine_factory, obs):
     free = engine.submit(TextRequest("what is on the table?", max_tokens=12))
     engine.run_cycle(obs(0))
     full = free.result(0)
-    partials = list(free.partials(timeout=0))
+    stream = list(free.partials(timeout=0))
+    partials = [p.text for p in stream]
     assert partials and partials[-1] == full.text
+    assert [p.tokens for p in stream] == sorted(p.tokens for p in stream) and stream[-1].tokens <= len(full.tokens)
     assert all(b.startswith(a) or len(b) < len(a) for a, b in zip(partials, partials[1:]))
     stop = full.text[len(full.text) // 2:][:2]
     assert stop

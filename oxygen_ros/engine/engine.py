@@ -539,7 +539,7 @@ class Engine:
                 continue
             if text != r.text:
                 r.text = text
-                r.handle._publish_partial(text)
+                r.handle._publish_partial(text, len(r.tokens))
             if len(r.tokens) >= r.request.max_tokens:
                 self._finish(r, "length")
             elif r.handle.cancelled:

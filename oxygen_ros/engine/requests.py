@@ -61,6 +61,12 @@ class Reply:
     latency_s: float = 0.0    # submitted -> finished
 
 
+@dataclass(frozen=True)
+class Partial:
+    text: str       # the reply so far
+    tokens: int     # tokens generated so far
+
+
 _ids = itertools.count(1)
 
 
@@ -94,7 +100,7 @@ class RequestHandle:
         return self._reply
 
     def partials(self, timeout: float | None = None):
-        """Yield the partial reply text as it grows, until the request finishes."""
+        """Yield Partial(text, tokens) as the reply grows, until the request finishes."""
         while True:
             try:
                 item = self._stream.get(timeout=timeout)
@@ -113,8 +119,8 @@ class RequestHandle:
         fn(self._reply)
 
     # -- engine side
-    def _publish_partial(self, text: str) -> None:
-        self._stream.put(text)
+    def _publish_partial(self, text: str, tokens: int) -> None:
+        self._stream.put(Partial(text, tokens))
 
     def _finish(self, reply: Reply) -> None:
         with self._lock:

@@ -176,9 +176,8 @@ class ConversationService(Node):
             timeout = (float(goal_handle.request.timeout_s) or self.p["default_timeout_s"]) + 5.0
             try:
                 for partial in handle.partials(timeout=timeout):
-                    feedback = self._ConverseAction.Feedback(partial_reply=partial)
-                    feedback.tokens = len(self.engine.runner.tokenizer.encode(partial))
-                    goal_handle.publish_feedback(feedback)
+                    goal_handle.publish_feedback(
+                        self._ConverseAction.Feedback(partial_reply=partial.text, tokens=partial.tokens))
                     if goal_handle.is_cancel_requested:
                         handle.cancel()
             except TimeoutError:
