@@ -119,7 +119,8 @@ def make_workload(robot: str, frames: int, arrival: str, reply_tokens: int, deno
         rng = np.random.default_rng([seed, offset, i])
         images = {slot: (rng.integers(0, 256, (h, w, 3), dtype=np.uint8) if on else None)
                   for slot, on in zip(CAMERA_SLOTS, r.cameras)}
-        wl.observations.append(Observation(stamp_s=0.1 * i, images=images, image_masks=dict(zip(CAMERA_SLOTS, r.cameras)),
+        wl.observations.append(Observation(stamp_s=0.1 * i, images=images,
+                                           image_masks=dict(zip(CAMERA_SLOTS, r.cameras)),
                                            state=rng.uniform(-1, 1, r.state_dim), prompt=prompt))
         wl.noise.append(rng.standard_normal((action_horizon, action_dim)).astype(np.float32))
     return wl
