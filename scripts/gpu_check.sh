@@ -26,7 +26,7 @@ step() {  # name, seconds, command...
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? after $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
 }
-step kernel_tests 150 env OXYGEN_KERNEL_TEST_DEVICE=cuda OXYGEN_SLOW_TESTS=1 \
+step kernel_tests 150 env OXYGEN_KERNEL_TEST_DEVICE=cuda \
   "$PY" -m pytest -q -p no:cacheprovider test/test_kernels.py test/test_kernels_model.py
 step microbench 100 "$PY" -m oxygen_ros.kernels.microbench --json "$OUT/microbench.json"
 step bench_pi05 200 "$PY" -m oxygen_ros.bench --preset pi05 --device cuda --frames 8 --repeat 3 \

@@ -2,14 +2,23 @@
 observations, and a simulated clock."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import os
 
-import numpy as np
-import pytest
-import torch
+# The Triton kernels run on the CPU through Triton's interpreter. TRITON_INTERPRET is read when a function
+# is decorated with @triton.jit (Triton's own library at `import triton`), so it is set here, before any
+# test module can import triton. OXYGEN_KERNEL_TEST_DEVICE=cuda runs the kernel tests compiled on a GPU.
+KERNEL_TEST_DEVICE = os.environ.get("OXYGEN_KERNEL_TEST_DEVICE", "cpu")
+if KERNEL_TEST_DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
-from oxygen_ros.model.config import GemmaConfig, Pi05Config, VisionConfig
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from oxygen_ros.model.config import GemmaConfig, Pi05Config, VisionConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

@@ -1,42 +1,17 @@
+"""Triton kernels against their torch references (oxygen_ros.kernels.ops), on the CPU through Triton's
+interpreter (conftest.py sets TRITON_INTERPRET before triton is imported), or compiled on a GPU with
+OXYGEN_KERNEL_TEST_DEVICE=cuda."""
+import math
 import os
+import subprocess
 import sys
 
-# The Triton kernels run on the CPU through Triton's interpreter. TRITON_INTERPRET is read when a function is
-# decorated with @triton.jit: Triton's own library (tl.sum, tl.max, ...) when `triton` is first imported, our
-# kernels when oxygen_ros.kernels.triton_* are. So it must be set before anything imports triton: conftest.py
-# does it for the session; if triton was imported earlier anyway (another plugin or test), the interpreter
-# cannot work in this process and this file reruns itself in a fresh one (LATE below).
-# OXYGEN_KERNEL_TEST_DEVICE=cuda runs the same tests on a GPU with the compiled kernels.
-DEVICE = os.environ.get("OXYGEN_KERNEL_TEST_DEVICE", "cpu")
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import triton.language.standard  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-
-def _late() -> bool:
-    """Whether some @triton.jit function of this process was decorated before TRITON_INTERPRET was set."""
-    if DEVICE != "cpu":
-        return False
-    kernels = [triton.language.standard.cdiv]
-    for name, attr in (("oxygen_ros.kernels.triton_attention", "_attn_kernel"),
-                       ("oxygen_ros.kernels.triton_norms", "_norm_kernel")):
-        if name in sys.modules:
-            kernels.append(getattr(sys.modules[name], attr))
-    return not all(isinstance(k, InterpretedFunction) for k in kernels)
-
-
-LATE = _late()
-
-import math  # noqa: E402
-import subprocess  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from oxygen_ros.kernels import ops  # noqa: E402
-from oxygen_ros.model.attention import CachedRow, Segment  # noqa: E402
+from conftest import KERNEL_TEST_DEVICE as DEVICE
+from oxygen_ros.kernels import ops
+from oxygen_ros.model.attention import CachedRow, Segment
 
 # Tolerances of a Triton output against the torch reference (which computes in float32 from the same stored
 # values, then rounds to the storage dtype). float32: summation order and exp2 vs exp only (~1e-7 seen).
@@ -59,19 +34,8 @@ def kernels():
     return triton_attention, triton_norms
 
 
-@pytest.fixture(autouse=True)
-def _interpreter_or_subprocess(request):
-    if LATE and request.node.originalname != "test_rerun_in_fresh_process":
-        pytest.skip("triton was imported before TRITON_INTERPRET was set: run in a fresh process instead")
 
 
-@pytest.mark.skipif(not LATE, reason="only when triton was imported before TRITON_INTERPRET was set")
-def test_rerun_in_fresh_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -1,44 +1,19 @@
-import os
-import sys
+"""The model end to end with the Triton kernels against the torch path (CPU: Triton's interpreter; GPU:
+OXYGEN_KERNEL_TEST_DEVICE=cuda)."""
 
-# See test_kernels.py and conftest.py: TRITON_INTERPRET must be set before anything imports triton; if it was
-# imported earlier, this file reruns itself in a fresh process.
-DEVICE = os.environ.get("OXYGEN_KERNEL_TEST_DEVICE", "cpu")
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
+import numpy as np
+import pytest
+import torch
 
-import triton.language.standard  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from conftest import KERNEL_TEST_DEVICE as DEVICE
+from conftest import ORACLE
+from oxygen_ros.model import inference
+from oxygen_ros.model.checkpoint import init_random_weights, load_pi05
+from oxygen_ros.model.config import GemmaConfig, Pi05Config, VisionConfig, from_oracle_json
+from oxygen_ros.model.pi05 import Pi05, PrefixRow
+from oxygen_ros.model.preprocess import to_pixels
 
-
-def _late() -> bool:
-    """Whether some @triton.jit function of this process was decorated before TRITON_INTERPRET was set."""
-    if DEVICE != "cpu":
-        return False
-    kernels = [triton.language.standard.cdiv]
-    for name, attr in (("oxygen_ros.kernels.triton_attention", "_attn_kernel"),
-                       ("oxygen_ros.kernels.triton_norms", "_norm_kernel")):
-        if name in sys.modules:
-            kernels.append(getattr(sys.modules[name], attr))
-    return not all(isinstance(k, InterpretedFunction) for k in kernels)
-
-
-LATE = _late()
-
-import subprocess  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from oxygen_ros.model import inference  # noqa: E402
-from oxygen_ros.model.checkpoint import init_random_weights, load_pi05  # noqa: E402
-from oxygen_ros.model.config import GemmaConfig, Pi05Config, VisionConfig, from_oracle_json  # noqa: E402
-from oxygen_ros.model.pi05 import Pi05, PrefixRow  # noqa: E402
-from oxygen_ros.model.preprocess import to_pixels  # noqa: E402
-
-CASE_A = Path("/work/shared/oracle/case_a")
+CASE_A = ORACLE / "case_a"
 # float32 model, Triton vs torch: only the summation order differs (measured: actions ~2e-6, logits ~8e-6,
 # prefix K/V ~2e-5 on case_a). The bounds are the oracle's float32 tolerances (shared/oracle/README.md).
 ACTIONS_ATOL = 1e-4
@@ -50,19 +25,8 @@ BF16_ACTIONS_ATOL = 1e-1
 BF16_LOGITS_ATOL = 1e-1
 
 
-@pytest.fixture(autouse=True)
-def _interpreter_or_subprocess(request):
-    if LATE and request.node.originalname != "test_rerun_in_fresh_process":
-        pytest.skip("triton was imported before TRITON_INTERPRET was set: run in a fresh process instead")
 
 
-@pytest.mark.skipif(not LATE, reason="only when triton was imported before TRITON_INTERPRET was set")
-def test_rerun_in_fresh_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
 
 
 def run(model: Pi05, rows, noise, backend, steps, questions, n_text):
@@ -131,7 +95,6 @@ def case_a_inputs(cfg, cameras: int | None):
     return [PrefixRow(images, tokens)], torch.from_numpy(inp["noise"]).float()
 
 
-@pytest.mark.skipif(not CASE_A.exists(), reason="oracle case_a not available")
 def test_case_a_triton_matches_torch():
     """The oracle case_a checkpoint (OxyGen causal prefix, 8 heads on 1 kv head, head_dim 16), one camera
     (256 image tokens + 19 prompt tokens; the interpreter needs ~10 s), 3 denoise steps, 3 text tokens after a
@@ -144,9 +107,6 @@ def test_case_a_triton_matches_torch():
     compare(ref, got, ACTIONS_ATOL, LOGITS_ATOL, KV_ATOL)
 
 
-@pytest.mark.skipif(not CASE_A.exists(), reason="oracle case_a not available")
-@pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("OXYGEN_SLOW_TESTS") != "1",
-                    reason="~25 s in the interpreter: OXYGEN_SLOW_TESTS=1 (always run on CUDA)")
 def test_case_a_full_triton_matches_oracle():
     """The whole oracle case through the Triton backend against the reference's outputs."""
     cfg = from_oracle_json(CASE_A / "config.json")
