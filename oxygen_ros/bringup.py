@@ -79,20 +79,27 @@ def main(argv: list[str] | None = None) -> int:
     rclpy.init(args=rcl_args, signal_handler_options=SignalHandlerOptions.NO)
     nodes = []
     engine = None
-    try:
+    problems: list[str] = []
+
+    def build(make):
+        """A node, or None with its parameter problems collected (every node is checked before refusing)."""
         try:
-            engine_node = EngineNode()
-            nodes.append(engine_node)
-            engine = engine_node.engine
-            observation = ObservationNode(engine)
-            nodes.append(observation)
-            action = ActionPublisher(engine, inputs_fresh=observation.inputs_fresh)
-            nodes.append(action)
-            conversation = ConversationService(engine)
-            nodes.append(conversation)
+            node = make()
         except ParameterError as e:
-            print("oxygen_bringup: refusing to start, bad parameters:\n  " + str(e).replace("\n", "\n  "),
-                  file=sys.stderr)
+            problems.extend(str(e).splitlines())
+            return None
+        nodes.append(node)
+        return node
+
+    try:
+        engine_node = build(EngineNode)
+        if engine_node is not None:  # the other nodes' parameters are checked against the engine's model
+            engine = engine_node.engine
+            observation = build(lambda: ObservationNode(engine))
+            action = build(lambda: ActionPublisher(engine, inputs_fresh=observation and observation.inputs_fresh))
+            conversation = build(lambda: ConversationService(engine))
+        if problems:
+            print("oxygen_bringup: refusing to start, bad parameters:\n  " + "\n  ".join(problems), file=sys.stderr)
             return 2
         for node in (observation, action, conversation):
             engine_node.add_diagnostics(node.diagnostics)

@@ -149,6 +149,26 @@ def read_key_map(path: str | Path) -> tuple[str, dict[str, tuple[Path, str]]]:
     return fmt, mapping
 
 
+def checkpoint_settings(path: str | Path) -> dict:
+    """Model settings recorded next to the weights, in Pi05Config field names: openpi's conversion writes
+    config.json with action_horizon/action_dim; LeRobot's has chunk_size, max_action_dim,
+    tokenizer_max_length and num_inference_steps. Empty when there is no such file."""
+    path = Path(path)
+    config = (path if path.is_dir() else path.parent) / "config.json"
+    if not config.is_file():
+        return {}
+    try:
+        data = json.loads(config.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        return {}
+    names = {"action_horizon": "action_horizon", "action_dim": "action_dim", "chunk_size": "action_horizon",
+             "max_action_dim": "action_dim", "tokenizer_max_length": "max_token_len",
+             "num_inference_steps": "num_denoise_steps"}
+    return {ours: int(data[theirs]) for theirs, ours in names.items() if isinstance(data.get(theirs), int)}
+
+
 def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "cpu",
               dtype: torch.dtype = torch.float32) -> Pi05:
     """Build the model for `cfg` and fill it from the checkpoint at `path` (directory or file)."""

@@ -52,11 +52,11 @@ class ActionPublisher(Node):
     def __init__(self, engine: Engine, inputs_fresh=None, **node_kwargs):
         super().__init__("oxygen_action", **node_kwargs)
         self.engine = engine
-        self.p = p = declare_all(self, PARAMS)
+        self.p, problems = declare_all(self, PARAMS)
+        p = self.p
         self.inputs_fresh = inputs_fresh or (lambda: True)
         dim = engine.runner.robot_action_dim
         self.names = list(p["joint_names"])
-        problems = []
         if self.names and len(self.names) != dim:
             problems.append(f"joint_names has {len(self.names)} names, the actions have {dim} dimensions")
         if p["output_type"] in ("joint_state", "joint_trajectory") and not self.names:

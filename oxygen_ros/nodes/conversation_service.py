@@ -27,7 +27,7 @@ from oxygen_ros.robot.text import validate_text
 
 from .action_output import ros_time
 from .engine_node import status
-from .params import Param, declare_all
+from .params import Param, ParameterError, declare_all
 
 PARAMS = [
     Param("service_name", "/oxygen/converse", "Conversation service (oxygen_interfaces/srv/Converse)."),
@@ -77,7 +77,9 @@ class ConversationService(Node):
         from oxygen_interfaces.srv import Converse
 
         self.engine = engine
-        self.p = declare_all(self, PARAMS)
+        self.p, problems = declare_all(self, PARAMS)
+        if problems:
+            raise ParameterError("\n".join(problems))
         self._Converse, self._ConverseAction, self._CaptionMsg = Converse, ConverseAction, CaptionMsg
         self._seeds = itertools.count(1)
         self.sessions = Sessions(self.p["session_turns"], self.p["max_sessions"], engine.config.max_question_chars)

@@ -14,6 +14,7 @@ from rclpy.node import Node
 
 from oxygen_ros.engine.engine import POLICIES, Engine, EngineConfig
 from oxygen_ros.engine.factory import build_engine, model_config
+from oxygen_ros.model.checkpoint import checkpoint_settings
 from oxygen_ros.model.config import PREFIX_MODES, PRESETS
 
 from .params import Param, ParameterError, declare_all
@@ -74,15 +75,14 @@ PARAMS = [
 class EngineNode(Node):
     def __init__(self, **node_kwargs):
         super().__init__("oxygen_engine", **node_kwargs)
-        self.p = declare_all(self, PARAMS)
-        self.engine = self._build()
+        self.p, problems = declare_all(self, PARAMS)
+        self.engine = self._build(problems)
         self._sources: list[Callable[[], list[DiagnosticStatus]]] = [self._engine_status]
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self.create_timer(1.0, self._publish_diagnostics)
 
-    def _build(self) -> Engine:
+    def _build(self, problems: list[str]) -> Engine:
         p = self.p
-        problems = []
         if p["model"] not in PRESETS and not Path(p["model"]).is_file():
             problems.append(f"model {p['model']!r} is neither a preset ({', '.join(PRESETS)}) nor a config file")
         for key in ("checkpoint", "tokenizer", "norm_stats"):
@@ -93,20 +93,34 @@ class EngineNode(Node):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         elif device == "cuda" and not torch.cuda.is_available():
             problems.append("device is cuda but torch sees no CUDA device")
-        if problems:
-            raise ParameterError("\n".join(problems))
         if p["torch_threads"]:
             torch.set_num_threads(p["torch_threads"])
         overrides = dict(action_horizon=p["action_horizon"] or None, num_denoise_steps=p["denoise_steps"] or None,
                          max_token_len=p["max_token_len"] or None,
                          prefix_language_attention=p["prefix_language_attention"] or None)
+        # What the checkpoint was trained with (its config.json) fills unset values and must agree with set ones.
         try:
-            cfg = model_config(p["model"], **overrides)
+            recorded = checkpoint_settings(p["checkpoint"]) if p["checkpoint"] else {}
         except ValueError as e:
-            raise ParameterError(str(e)) from None
-        if p["robot_action_dim"] > cfg.action_dim:
-            raise ParameterError(f"robot_action_dim {p['robot_action_dim']} exceeds the model's action_dim "
-                                 f"{cfg.action_dim}")
+            problems.append(str(e))
+            recorded = {}
+        for field, value in recorded.items():
+            if overrides.get(field) is None:
+                overrides[field] = value
+            elif overrides[field] != value:
+                problems.append(f"{field} {overrides[field]} differs from the checkpoint's {value} "
+                                f"({Path(p['checkpoint'])}/config.json)")
+        cfg = None
+        if not any(pr.startswith("model ") for pr in problems):
+            try:
+                cfg = model_config(p["model"], **overrides)
+            except ValueError as e:
+                problems.append(str(e))
+        if cfg is not None and p["robot_action_dim"] > cfg.action_dim:
+            problems.append(f"robot_action_dim {p['robot_action_dim']} exceeds the model's action_dim "
+                            f"{cfg.action_dim}")
+        if problems:
+            raise ParameterError("\n".join(problems))
         engine_cfg = EngineConfig(
             policy=p["policy"], action_rate_hz=p["action_rate_hz"], decode_budget=p["decode_budget"],
             tokens_per_frame=p["tokens_per_frame"], min_tokens_per_frame=p["min_tokens_per_frame"],

@@ -58,10 +58,10 @@ class ObservationNode(Node):
         super().__init__("oxygen_observation", **node_kwargs)
         self.engine = engine
         self.slots = list(engine.runner.cfg.camera_slots)
-        self.p = declare_all(self, params_for(self.slots))
+        self.p, problems = declare_all(self, params_for(self.slots))
         topics = {s: self.p[f"cameras.{s}.topic"] for s in self.slots if self.p[f"cameras.{s}.topic"]}
         required = [s for s in self.slots if self.p[f"cameras.{s}.required"]]
-        problems = [f"camera slot {s} is required but has no topic" for s in required if s not in topics]
+        problems += [f"camera slot {s} is required but has no topic" for s in required if s not in topics]
         if not topics:
             problems.append("no camera topic configured (cameras.<slot>.topic)")
         joint_names = [j for j in self.p["joint_names"] if j]

@@ -25,9 +25,9 @@ class Param:
     maximum: float | None = None
 
 
-def declare_all(node, specs: list[Param]) -> dict[str, Any]:
-    """Declare `specs` on `node` and return {name: value}; raise ParameterError listing every value
-    outside its choices or range."""
+def declare_all(node, specs: list[Param]) -> tuple[dict[str, Any], list[str]]:
+    """Declare `specs` on `node`; return ({name: value}, problems): every value outside its choices or
+    range, one line each. The node adds its own consistency checks and raises ParameterError once."""
     values, problems = {}, []
     for p in specs:
         desc = p.description
@@ -51,6 +51,4 @@ def declare_all(node, specs: list[Param]) -> dict[str, Any]:
         if p.maximum is not None and value > p.maximum:
             problems.append(f"{node.get_name()}.{p.name} = {value!r}: must be <= {p.maximum}")
         values[p.name] = value
-    if problems:
-        raise ParameterError("\n".join(problems))
-    return values
+    return values, problems

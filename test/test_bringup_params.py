@@ -1,0 +1,63 @@
+"""oxygen_bringup refuses to start on bad or inconsistent parameters, naming every problem, one per line,
+before anything moves (no DDS traffic needed: it exits while building its nodes)."""
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def bringup(*args, timeout=120):
+    env = dict(os.environ, ROS_DOMAIN_ID="0", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "oxygen_ros.bringup", *args, "--duration", "1"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_robot_config_without_its_files_refuses_with_each_missing_file():
+    r = bringup("--robot", "libero")
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = r.stderr
+    assert "refusing to start, bad parameters" in err
+    for line in ("checkpoint not found: /opt/models/pi05_libero_pytorch",
+                 "tokenizer not found: /opt/models/paligemma_tokenizer.model",
+                 "norm_stats not found: /opt/models/pi05_libero_pytorch"):
+        assert line in err
+
+
+def test_a_horizon_that_contradicts_the_checkpoint_is_refused(tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text('{"action_horizon": 50, "action_dim": 32}')  # openpi's conversion
+    params = tmp_path / "bad.yaml"
+    params.write_text(f"oxygen_engine:\n  ros__parameters:\n    checkpoint: {checkpoint}\n    action_horizon: 10\n")
+    r = bringup("--robot", "demo", "--params-file", str(params))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"action_horizon 10 differs from the checkpoint's 50 ({checkpoint}/config.json)" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_problems_of_every_node_are_listed_together(tmp_path):
+    params = tmp_path / "bad.yaml"
+    params.write_text("""
+oxygen_observation:
+  ros__parameters:
+    cameras:
+      base_0_rgb: {topic: ""}
+      left_wrist_0_rgb: {topic: ""}
+      right_wrist_0_rgb: {required: true}
+oxygen_action:
+  ros__parameters:
+    action_rate_hz: 50.0
+    joint_names: [a, b]
+    output_type: teleport
+""")
+    r = bringup("--robot", "demo", "--params-file", str(params))
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.splitlines()
+    for expected in ("camera slot right_wrist_0_rgb is required but has no topic",
+                     "no camera topic configured (cameras.<slot>.topic)",
+                     "oxygen_action.output_type = 'teleport': must be one of",
+                     "joint_names has 2 names, the actions have 7 dimensions",
+                     "action_rate_hz 50.0 differs from the engine's 70.0"):
+        assert any(expected in line for line in lines), r.stderr
+    assert "Traceback" not in r.stderr
