@@ -3,7 +3,7 @@ seeded frames, noise and arrival schedule that every setting receives identicall
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -98,12 +98,6 @@ class Workload:
                 "tokens_per_frame": self.tokens_per_frame if self.budget == "fixed" else None,
                 "action_rate_hz": self.action_rate_hz, "seed": self.seed, "prompt": self.prompt,
                 "question": self.question, "schedule": list(self.schedule)}
-
-    def with_reply_tokens(self, t: int) -> "Workload":
-        return replace(self, reply_tokens=t)
-
-    def with_tokens_per_frame(self, k: int) -> "Workload":
-        return replace(self, tokens_per_frame=k)
 
 
 def make_workload(robot: str, frames: int, arrival: str, reply_tokens: int, denoise_steps: int, budget: str,

@@ -133,7 +133,3 @@ class FrameCache:
             raise RuntimeError(f"frame {self.frame_index} released more often than retained")
         self._holders -= 1
         self.pool.allocator.decref(self.segment.blocks)
-
-    @property
-    def holders(self) -> int:
-        return self._holders

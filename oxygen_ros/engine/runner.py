@@ -5,7 +5,6 @@ Everything here runs on the engine thread, which owns the device.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,9 +59,6 @@ class ModelRunner:
     # ------------------------------------------------------------------ sizes
     def max_prefix_tokens(self) -> int:
         return len(self.cfg.camera_slots) * self.cfg.image_tokens + self.cfg.max_token_len
-
-    def prefix_blocks(self, row: PrefixRow) -> int:
-        return self.pool.blocks_for(self.model.prefix_length(row))
 
     # ------------------------------------------------------------------ observation -> prefix
     def prepare(self, obs, task: str | None = None) -> PreparedFrame:
@@ -160,6 +156,3 @@ class ModelRunner:
     def noise(self, generator: torch.Generator) -> torch.Tensor:
         return torch.randn(self.cfg.action_horizon, self.cfg.action_dim, generator=generator)
 
-
-def finite(x: float) -> bool:
-    return math.isfinite(x)
