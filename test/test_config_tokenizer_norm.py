@@ -147,7 +147,7 @@ def test_load_config_rejects_unknown_keys(tmp_path):
     data = _plain(preset("tiny"))
     data["vlm"]["hidden_size"] = 3                        # unknown nested key: named too
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="unknown model config keys in .vlm.: \[.hidden_size.\]"):
+    with pytest.raises(ValueError, match=r"unknown model config keys in .vlm.: \[.hidden_size.\]"):
         load_config(path)
 
 
