@@ -4,9 +4,9 @@
     oxygen_bringup --robot libero --params-file my_overrides.yaml
     oxygen_bringup --demo                       # tiny model + simulated robot, closes the loop
 
-Threads: the engine thread owns the device; the action publisher (70 Hz timer) has an executor thread of
-its own, a MultiThreadedExecutor runs the other nodes, so image decoding or a service call never delays
-the timer. Python's GIL is shared with
+Threads: the engine thread owns the device; the action publisher (70 Hz timer), the inputs and the
+services each have an executor thread of their own (see main), so image decoding or a service call never
+delays the timer and rclpy's own Python overhead does not starve the engine. Python's GIL is shared with
 the engine's Python code, so the interpreter's switch interval is lowered (5 ms -> 1 ms): measured on 2
 cores, the timer otherwise fell to 46-66 Hz next to a busy Python thread.
 Shutdown (SIGINT/SIGTERM): actions stop first, then the engine releases the device, then ROS.
@@ -43,7 +43,8 @@ def parse_args(argv):
                         help="tiny model + simulated robot and cameras + a demo conversation client")
     parser.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: run)")
     parser.add_argument("--status-period", type=float, default=2.0, help="seconds between status lines")
-    parser.add_argument("--threads", type=int, default=6, help="executor threads")
+    parser.add_argument("--threads", type=int, default=10,
+                        help="threads of the services executor (streaming goals hold one each)")
     args, ros_args = parser.parse_known_args(argv)
     if args.demo and args.robot is None:
         args.robot = "demo"
@@ -54,7 +55,8 @@ def status_line(engine, action, conversation) -> str:
     s = engine.stats.snapshot()
     r = action.rate.summary()
     return (f"[status] actions {r['rate_hz']:5.1f} Hz (jitter {r['period_ms_std']:.1f} ms, {action.last_status}) | "
-            f"frame {s['frame_ms_mean']:6.1f} ms -> {s['action_hz']:5.1f} Hz chunk rate | "
+            f"frame {s['frame_ms_mean']:6.1f} ms (prefill {s['prefill_ms_mean']:.0f}, actions {s['action_ms_mean']:.0f}, "
+            f"text {s['decode_ms_mean']:.0f}) -> {s['action_hz']:5.1f} Hz chunk rate | "
             f"{s['tokens_per_s']:6.1f} tok/s | requests {s['active_requests']} active {s['queued_requests']} queued | "
             f"KV {s['pool_blocks_used']}/{s['pool_blocks_total']} | dropped {s['dropped_frames']} | "
             f"faults {s['faults']}")
@@ -103,27 +105,33 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         for node in (observation, action, conversation):
             engine_node.add_diagnostics(node.diagnostics)
+        demo_nodes = []
         if args.demo:
             from .nodes.demo_client import DemoClient
             from .nodes.sim_robot import SimRobotNode
 
-            nodes += [SimRobotNode(), DemoClient()]
+            demo_nodes = [SimRobotNode(), DemoClient()]
+            nodes += demo_nodes
 
-        # The 70 Hz publisher gets an executor (and thread) of its own: rclpy rebuilds an executor's wait
-        # set in Python for every callback it runs, so sharing one with the camera, state and service
-        # traffic delays the timer; alone, its wait set is one timer and one service.
-        action_executor = SingleThreadedExecutor()
-        action_executor.add_node(action)
-        executor = MultiThreadedExecutor(num_threads=args.threads)
-        for node in nodes:
-            if node is not action:
+        # One executor (and thread) per traffic class. rclpy executors rebuild their wait set in Python for
+        # every callback they run, holding the GIL: measured with everything on one MultiThreadedExecutor,
+        # its spin loop held the GIL 61% of the time and the engine got 10% (frames 4x slower). Alone, the
+        # 70 Hz timer's wait set is one timer and one service; camera and state messages run inline on a
+        # single thread; only the conversation node, whose streaming goals each hold a thread while they
+        # stream, needs a thread pool.
+        executors = [(SingleThreadedExecutor(), [action], "ros-actions"),
+                     (SingleThreadedExecutor(), [observation], "ros-inputs"),
+                     (MultiThreadedExecutor(num_threads=args.threads), [engine_node, conversation], "ros-services")]
+        if demo_nodes:
+            executors.append((SingleThreadedExecutor(), demo_nodes, "ros-demo"))
+        for executor, members, _ in executors:
+            for node in members:
                 executor.add_node(node)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         engine.start()
-        spinners = [threading.Thread(target=e.spin, name=name, daemon=True)
-                    for e, name in ((action_executor, "ros-actions"), (executor, "ros-executor"))]
+        spinners = [threading.Thread(target=e.spin, name=name, daemon=True) for e, _, name in executors]
         for spinner in spinners:
             spinner.start()
         print(f"oxygen_bringup: running ({', '.join(n.get_name() for n in nodes)}); Ctrl-C stops", flush=True)
@@ -139,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         # Safe shutdown order: no more commands, then the engine lets go of the device, then ROS.
         action.set_enabled(False)
         engine.stop()
-        for e in (executor, action_executor):
-            e.shutdown(timeout_sec=2.0)
+        for executor, _, _ in executors:
+            executor.shutdown(timeout_sec=2.0)
         for spinner in spinners:
             spinner.join(timeout=2.0)
         print("oxygen_bringup: stopped", flush=True)

@@ -67,7 +67,7 @@ def test_actions_at_70hz_while_the_engine_computes(system):
         assert a.shape == (7,) and np.all(np.isfinite(a))
         assert np.all(a >= LOWER - 1e-9) and np.all(a <= UPPER + 1e-9), "commands are clamped to the limits"
     c = chunks[-1][1]
-    assert (c.horizon, c.dim, len(c.actions)) == (10, 7, 70)
+    assert (c.horizon, c.dim, len(c.actions)) == (20, 7, 140)     # config/demo.yaml: horizon 20
     assert c.step_period_s == pytest.approx(1 / RATE_HZ) and c.compute_latency_s > 0
     assert list(c.names) == ["joint_1", "joint_2", "joint_3", "joint_4", "joint_5", "joint_6", "gripper"]
 
