@@ -68,8 +68,6 @@ def test_policies_agree_on_actions_and_replies(model_name, small_model, engine_f
         expected = standalone_reply(engine, make_observation(i, image_size), QUESTIONS[i % len(QUESTIONS)],
                                     max_tokens)
         assert reply.tokens == expected, f"frame {i}: reply differs from a standalone greedy generation"
-    # The oxygen run really batched across frames.
-    assert max(results["oxygen"][1][0].latency_s, 0) >= 0
 
 
 def test_oxygen_batches_across_frames(engine_factory, obs):

@@ -42,10 +42,11 @@ def test_pool_sizing_from_budget():
     pool = KVPool.from_budget(1 << 20, layers=2, kv_heads=1, head_dim=16, block_size=16,
                               dtype=torch.float32, device="cpu")
     per_block = 2 * 2 * 16 * 16 * 4
-    assert pool.num_blocks == (1 << 20) // per_block
+    assert pool.num_blocks == (1 << 20) // per_block - 1          # one block of the budget is the scratch
+    assert pool.kv.k.shape[1] == pool.num_blocks + 1 and pool.scratch_block == pool.num_blocks
     assert pool.kv.bytes_per_block == per_block
     assert pool.blocks_for(1) == 1 and pool.blocks_for(16) == 1 and pool.blocks_for(17) == 2
-    with pytest.raises(ValueError, match="smaller than one block"):
+    with pytest.raises(ValueError, match="less than two blocks"):
         KVPool.from_budget(100, 2, 1, 16, 16, torch.float32, "cpu")
 
 

@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default: float32 on the CPU, bfloat16 on CUDA")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run decode steps and denoise loops eagerly on CUDA (default: captured graphs)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--kv-budget-mb", type=float, default=256.0, help="KV pool per engine")
     p.add_argument("--max-batch", type=int, default=64, help="decode batch cap (EngineConfig.max_active_requests)")
@@ -119,7 +121,7 @@ def make_engine(model, setting: str, a, reply_tokens: int, tokens_per_frame: int
                        tokens_per_frame=tokens_per_frame, action_rate_hz=a.action_rate_hz,
                        denoise_steps=a.denoise_steps, ignore_eos=True, max_active_requests=a.max_batch,
                        max_queued_requests=max(64, 4 * a.max_batch), max_tokens_limit=max(256, reply_tokens),
-                       seed=a.seed)
+                       seed=a.seed, cuda_graphs=False if a.no_cuda_graphs else None)
     # Random full-size weights run with the shipped small tokenizer (the factory allows it without a checkpoint).
     return build_engine(built_model=model, engine=cfg, checkpoint=a.checkpoint, tokenizer=a.tokenizer,
                         kv_budget_mb=a.kv_budget_mb)
@@ -293,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "parameters_built": int(sum(p.numel() for p in model.parameters())),
         "weights": a.checkpoint or f"random (seed {a.seed})", "dtype": str(model.dtype).removeprefix("torch."),
         "device": str(model.device), "attention_backend": first.runner.backend,
+        "cuda_graphs": first.runner.graphs is not None and first.runner.graphs.capture,
         "frame_period_s": first.frame_period, "action_horizon": cfg.action_horizon,
         "workload": wl.params(), "settings": names, "repetitions": a.repeat, "warmup_frames": a.warmup_frames,
         "date": started,

@@ -22,7 +22,8 @@ def table(result: dict) -> str:
         add(f"  WARNING  : the machine was busy before the run (1-min load average {load:.2f} on {cores} cores): "
             f"wall times carry that load; compare the best-of-repetitions figures")
     add(f"  model    : preset {meta['preset']}, {meta['parameters'] / 1e6:.1f} M parameters, {meta['dtype']} on "
-        f"{meta['device']}, attention {meta['attention_backend']}")
+        f"{meta['device']}, attention {meta['attention_backend']}"
+        f"{', CUDA graphs' if meta.get('cuda_graphs') else ''}")
     budget = (f"fixed {wl['tokens_per_frame']} tokens/frame" if wl["decode_budget"] == "fixed"
               else f"deadline ({1e3 * meta['frame_period_s']:.0f} ms frame period)")
     add(f"  workload : {wl['robot']} ({wl['cameras']} cameras {wl['image_hw'][0]}x{wl['image_hw'][1]}, "

@@ -66,6 +66,9 @@ class EngineConfig:
     subtask_max_tokens: int = 12
     max_consecutive_faults: int = 5       # then the engine stops producing actions until reset
     seed: int = 0
+    cuda_graphs: bool | None = None       # decode steps and denoise loops as CUDA graphs (graphs.py); None:
+                                          # on when the model runs the Triton kernels on CUDA. True on the
+                                          # CPU replays the same fixed-shape steps eagerly (tests)
     ignore_eos: bool = False              # benchmark only: EOS is kept as an ordinary token, so every reply
                                           # runs to max_tokens (or a stop string); never set it when serving
 
@@ -168,6 +171,15 @@ class Engine:
         if runner.pool.num_blocks < 2 * self.reserve_blocks:
             raise ValueError(f"KV pool of {runner.pool.num_blocks} blocks cannot hold two frame prefixes of "
                              f"{self.reserve_blocks} blocks: raise the KV memory budget")
+        graphs = self.config.cuda_graphs
+        if graphs is None:
+            graphs = runner.backend == "triton" and runner.model.device.type == "cuda"
+        if graphs:
+            capture = runner.model.device.type == "cuda"
+            steps = runner.enable_graphs(self.config.max_active_requests,
+                                         self.config.max_question_chars + self.config.max_tokens_limit, capture)
+            if capture:     # capture every bucket now, not in the middle of a control cycle
+                steps.warm_up(self.config.denoise_steps or cfg.num_denoise_steps)
         self._mailbox = _Mailbox()
         self._lock = threading.Lock()                       # guards _queue and listeners
         self._queue: collections.deque[RequestHandle] = collections.deque()
@@ -185,6 +197,7 @@ class Engine:
         self._consecutive_faults = 0
         self.faulted = ""                                   # non-empty: safe stop, reason
         self.stats = EngineStats(self.horizon, self.frame_period, runner.pool)
+        self.stats.graphs = runner.graphs
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 

@@ -81,21 +81,25 @@ class BlockAllocator:
 
 
 class KVPool:
-    """Paged storage for the VLM's K/V of every layer plus its allocator."""
+    """Paged storage for the VLM's K/V of every layer plus its allocator.
+
+    The storage has one block more than the allocator hands out: `scratch_block`, never allocated, where the
+    padding rows of fixed-shape (CUDA-graph) decode steps write and read, so they never touch a real block."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  dtype: torch.dtype, device: torch.device | str):
-        self.kv = PagedKV(layers, num_blocks, block_size, kv_heads, head_dim, dtype, device)
+        self.kv = PagedKV(layers, num_blocks + 1, block_size, kv_heads, head_dim, dtype, device)
         self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
+        self.scratch_block = num_blocks
 
     @classmethod
     def from_budget(cls, budget_bytes: int, layers: int, kv_heads: int, head_dim: int, block_size: int,
                     dtype: torch.dtype, device: torch.device | str) -> "KVPool":
         per_block = 2 * layers * block_size * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-        num_blocks = budget_bytes // per_block
+        num_blocks = budget_bytes // per_block - 1         # the scratch block counts against the budget
         if num_blocks < 1:
-            raise ValueError(f"KV budget of {budget_bytes} bytes is smaller than one block ({per_block} bytes)")
+            raise ValueError(f"KV budget of {budget_bytes} bytes holds less than two blocks of {per_block} bytes (one is the scratch block)")
         return cls(layers, kv_heads, head_dim, block_size, int(num_blocks), dtype, device)
 
     def blocks_for(self, tokens: int) -> int:

@@ -17,6 +17,7 @@ from oxygen_ros.model.preprocess import to_pixels
 from oxygen_ros.model.tokenizer import Tokenizer
 from oxygen_ros.robot.errors import InputError
 
+from .graphs import StepGraphs
 from .kv_pool import FrameCache, KVPool
 from .requests import ActiveRequest
 
@@ -55,6 +56,18 @@ class ModelRunner:
             raise ValueError(f"delta_action_mask has {len(self.delta_action_mask)} entries, the robot only "
                              f"{self.robot_action_dim} action dims")
         self.cfg = cfg
+        self.graphs: StepGraphs | None = None
+
+    def enable_graphs(self, max_batch: int, own_tokens: int, capture: bool) -> StepGraphs:
+        """Serve decode steps and denoise loops from fixed-shape steps (CUDA graphs when `capture`; see
+        graphs.py). They read their metadata from tensors, which only the Triton kernels do."""
+        if self.backend != "triton":
+            raise ValueError("fixed-shape steps (cuda_graphs) need the triton attention backend, "
+                             f"the runner uses {self.backend!r}")
+        if capture and self.model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model, this one is on {self.model.device}")
+        self.graphs = StepGraphs(self.model, self.pool, max_batch, self.max_prefix_tokens(), own_tokens, capture)
+        return self.graphs
 
     # ------------------------------------------------------------------ sizes
     def max_prefix_tokens(self) -> int:
@@ -112,8 +125,14 @@ class ModelRunner:
                 state: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Action chunk of a frame: (model-space actions [H, action_dim], robot units [H, robot_dim]).
         `state` (robot units) is needed when some dimensions are deltas (delta_action_mask)."""
-        attn = ActionAttention(self.pool.kv, [frame.segment], noise.shape[-2], self.backend, self.model.device)
-        x = self.model.sample_actions(noise.reshape(1, *noise.shape[-2:]), attn, steps)[0].cpu().numpy()
+        noise = noise.reshape(1, *noise.shape[-2:])
+        x = None
+        if self.graphs is not None:
+            x = self.graphs.actions(frame.segment, noise, steps or self.cfg.num_denoise_steps)
+        if x is None:
+            attn = ActionAttention(self.pool.kv, [frame.segment], noise.shape[-2], self.backend, self.model.device)
+            x = self.model.sample_actions(noise, attn, steps)
+        x = x[0].cpu().numpy()
         if not np.all(np.isfinite(x)):
             raise EngineFault(f"frame {frame.frame_index}: the action expert produced non-finite actions")
         robot = self.normalizer.unnormalize_actions(x.astype(np.float64))[:, :self.robot_action_dim]
@@ -135,11 +154,17 @@ class ModelRunner:
             if total > len(req.blocks) * self.pool.block_size:
                 raise RuntimeError(f"request {req.handle.id} outgrew its {len(req.blocks)} blocks")
             rows.append(CachedRow(n_new=len(toks), own=Segment(req.blocks, total), prefix=req.frame.segment))
-        tokens = torch.tensor([t for _, toks in items for t in toks], dtype=torch.long)
-        hidden = self.model.extend(tokens, CachedAttention(self.pool.kv, rows, self.backend, self.model.device))
+        flat = [t for _, toks in items for t in toks]
+        logits = None
+        if self.graphs is not None and len(flat) == len(items):     # one token per row: a decode step
+            logits = self.graphs.decode(rows, flat)
+        if logits is None:
+            tokens = torch.tensor(flat, dtype=torch.long)
+            logits = self.model.logits(self.model.extend(
+                tokens, CachedAttention(self.pool.kv, rows, self.backend, self.model.device)))
         for req, toks in items:
             req.own_len += len(toks)
-        return self.model.logits(hidden)
+        return logits
 
     @torch.inference_mode()
     def frame_logits(self, frame: FrameCache) -> torch.Tensor:

@@ -17,6 +17,7 @@ class EngineStats:
         self.dropped_frames = 0
         self.active = 0
         self.queued = 0
+        self.graphs = None          # the runner's StepGraphs, when fixed-shape steps are on
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -74,5 +75,7 @@ class EngineStats:
             "pool_peak_blocks": self.pool.allocator.peak_used,
             "pool_occupancy": self.pool.occupancy(),
             "counters": counters,
+            "graph_replays": self.graphs.replays if self.graphs else 0,
+            "graph_fallbacks": self.graphs.fallbacks if self.graphs else 0,
             "last_error": self.last_error,
         }

@@ -83,6 +83,15 @@ class CachedAttention:
             dtype=torch.long, device=device)
         self.last_token = torch.tensor(self.meta.cu[1:], dtype=torch.long, device=device) - 1
 
+    @classmethod
+    def fixed(cls, kv: PagedKV, meta, positions: torch.Tensor, last_token: torch.Tensor, backend: str):
+        """Over metadata held in fixed buffers that the caller refills between calls (CUDA graphs,
+        oxygen_ros/engine/graphs.py); `rows` is then unknown (None)."""
+        self = cls.__new__(cls)
+        self.kv, self.rows, self.backend, self.meta = kv, None, backend, meta
+        self.positions, self.last_token = positions, last_token
+        return self
+
     def layer(self, layer: int):
         def attend(q, k, v):
             return kernel_ops.cached_attention(q, k, v, self.kv.k[layer], self.kv.v[layer], self.meta,
@@ -99,6 +108,14 @@ class ActionAttention:
         self.meta = kernel_ops.ActionMeta.build(prefixes, kv.block_size, device, with_tensors=backend == "triton")
         self.positions = torch.cat([torch.arange(p.length, p.length + horizon) for p in prefixes]).to(device)
         self.token_rows = torch.arange(len(prefixes), device=device).repeat_interleave(horizon)
+
+    @classmethod
+    def fixed(cls, kv: PagedKV, meta, positions: torch.Tensor, token_rows: torch.Tensor, backend: str):
+        """Over metadata held in fixed buffers (see CachedAttention.fixed)."""
+        self = cls.__new__(cls)
+        self.kv, self.backend, self.meta = kv, backend, meta
+        self.positions, self.token_rows = positions, token_rows
+        return self
 
     def layer(self, layer: int):
         def attend(q, k, v):

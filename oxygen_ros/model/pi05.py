@@ -56,6 +56,7 @@ class Pi05(nn.Module):
         # Which implementation of the norms/activation the layers use: "torch" or "triton" (CUDA).
         # Attention objects carry their own backend (chosen with the cache, see attention.py).
         self.backend = "torch"
+        self._schedules: dict = {}
 
     @property
     def device(self) -> torch.device:
@@ -140,18 +141,28 @@ class Pi05(nn.Module):
         return self.action_out_proj(x.float().to(self.action_out_proj.weight.dtype)).float().reshape(
             rows, horizon, -1)
 
+    def flow_schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(times [n] float32, dt) on the model's device for `steps` Euler steps from t = 1 to t = 0, with the
+        reference's float32 arithmetic (t += dt, stop when t < -dt/2). Cached: a captured CUDA graph must not
+        copy from the host, and the schedule is the same for every frame."""
+        key = (steps, self.device)
+        if key not in self._schedules:
+            dt = torch.tensor(-1.0 / steps, dtype=torch.float32)
+            t, times = torch.tensor(1.0, dtype=torch.float32), []
+            while t >= -dt / 2:
+                times.append(t)
+                t = t + dt
+            self._schedules[key] = (torch.stack(times).to(self.device), dt.to(self.device))
+        return self._schedules[key]
+
     def sample_actions(self, noise: torch.Tensor, attn: ActionAttention, steps: int | None = None,
                        record: list | None = None) -> torch.Tensor:
-        """Euler integration of the flow from noise (t = 1) to actions (t = 0), in `steps` steps.
-        The float32 time arithmetic matches the reference exactly (t += dt, stop when t < -dt/2)."""
-        steps = steps or self.cfg.num_denoise_steps
-        dt = torch.tensor(-1.0 / steps, dtype=torch.float32)
-        t = torch.tensor(1.0, dtype=torch.float32)
+        """Euler integration of the flow from noise (t = 1) to actions (t = 0), in `steps` steps."""
+        times, dt = self.flow_schedule(steps or self.cfg.num_denoise_steps)
         x = noise.float().to(self.device)
-        while t >= -dt / 2:
-            v = self.denoise_step(x, t.expand(x.shape[0]).to(self.device), attn)
+        for i in range(times.shape[0]):
+            v = self.denoise_step(x, times[i].expand(x.shape[0]), attn)
             if record is not None:
-                record.append((float(t), x.clone(), v.clone()))
-            x = x + dt.to(self.device) * v
-            t = t + dt
+                record.append((float(times[i]), x.clone(), v.clone()))
+            x = x + dt * v
         return x

@@ -31,6 +31,9 @@ PARAMS = [
     Param("device", "auto", "Where the model runs.", choices=("auto", "cpu", "cuda")),
     Param("attention_backend", "auto", "Attention/norm kernels: Triton on CUDA, torch on the CPU.",
           choices=("auto", "torch", "triton")),
+    Param("cuda_graphs", "auto", "Decode steps and denoise loops as CUDA graphs, captured at start (auto: on "
+                                 "with Triton on CUDA; off: eager launches, for debugging).",
+          choices=("auto", "on", "off")),
     Param("policy", "oxygen", "Scheduling policy (isolated and shared_kv exist for comparisons).",
           choices=POLICIES),
     Param("decode_budget", "deadline", "Language decode steps per frame: until the next chunk is due "
@@ -130,7 +133,8 @@ class EngineNode(Node):
             memory_every_frames=p["memory_every_frames"], memory_period_s=p["memory_period_s"],
             memory_max_tokens=p["memory_max_tokens"], memory_log_size=p["memory_log_size"],
             subtask=p["subtask"], subtask_max_tokens=p["subtask_max_tokens"],
-            max_consecutive_faults=p["max_consecutive_faults"], seed=p["seed"])
+            max_consecutive_faults=p["max_consecutive_faults"], seed=p["seed"],
+            cuda_graphs={"auto": None, "on": True, "off": False}[p["cuda_graphs"]])
         try:
             engine_cfg.validate()
             engine = build_engine(
