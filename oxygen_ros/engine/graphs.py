@@ -49,6 +49,7 @@ class _Replay:
         self.graph = None
         self.out = None
 
+    @torch.inference_mode()
     def __call__(self):
         if not self.capture:
             return self.fn()
@@ -60,7 +61,8 @@ class _Replay:
                     self.fn()
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            # thread_local: CUDA work of other threads (ROS callbacks) cannot invalidate the capture
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 self.out = self.fn()
         self.graph.replay()
         return self.out
