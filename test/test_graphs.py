@@ -7,6 +7,7 @@ The contract: the same tokens and actions as the dynamic path (float32: actions 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import KERNEL_TEST_DEVICE as DEVICE
 from conftest import make_observation, small_config
@@ -121,6 +122,37 @@ def test_rows_wider_than_the_tables_fall_back_to_the_dynamic_path():
     assert graphs.decode([long_row] * 3, [3] * 3) is None                   # more rows than the cap
     assert graphs.actions(prefix, torch.zeros(1, 6, 8), 4) is None          # another horizon
     assert graphs.fallbacks == 3 and graphs.replays == 0
+
+
+class _OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+# What a CUDA graph cannot capture: reading a device value on the host (a sync), or a tensor made from host
+# data (a host-to-device copy baked in with stale contents).
+HOST_WORK = {"aten._local_scalar_dense.default", "aten.item.default", "aten.is_nonzero.default",
+             "aten.nonzero.default", "aten.equal.default", "aten.lift_fresh.default"}
+
+
+def test_fixed_shape_steps_do_no_host_work():
+    engine = make_engine(True, max_active_requests=2)
+    graphs = engine.runner.graphs
+    graphs.warm_up(4)
+    for step in (graphs.decode_step(2), graphs.denoise_loop(4)):
+        with torch.inference_mode(), _OpLog() as log:
+            step._forward()
+        assert "aten.linear.default" in log.ops                    # the log sees the step's work
+        assert not log.ops & HOST_WORK, log.ops & HOST_WORK
+    engine.runner.model._schedules.clear()                         # the denoise schedule must be cached:
+    with torch.inference_mode(), _OpLog() as log:                  # made afresh, it comes from host data
+        graphs.denoise_loop(4)._forward()
+    assert log.ops & HOST_WORK
 
 
 def test_cuda_graphs_default_on_cuda_only_and_need_triton():
