@@ -163,3 +163,16 @@ def test_cuda_graphs_default_on_cuda_only_and_need_triton():
         assert engine.runner.graphs.capture and engine.runner.graphs._decode    # captured at start
     with pytest.raises(ValueError, match="triton attention backend"):
         make_engine(True, backend="torch")
+
+
+def test_a_failed_default_capture_runs_eagerly_and_says_so(monkeypatch):
+    """Unset cuda_graphs: a capture failure at start is reported and the engine runs the dynamic path."""
+    import oxygen_ros.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_graphs_by_default", lambda runner: True)
+    engine = make_engine(None, backend="torch")        # the torch backend cannot serve fixed-shape steps
+    assert engine.runner.graphs is None
+    snap = engine.stats.snapshot()
+    assert "CUDA graphs unavailable" in snap["last_error"] and snap["counters"]["graph_capture_failures"] == 1
+    engine.run_cycle(make_observation(0), np.zeros((5, 8), np.float32))
+    assert engine.latest_chunk() is not None

@@ -171,15 +171,6 @@ class Engine:
         if runner.pool.num_blocks < 2 * self.reserve_blocks:
             raise ValueError(f"KV pool of {runner.pool.num_blocks} blocks cannot hold two frame prefixes of "
                              f"{self.reserve_blocks} blocks: raise the KV memory budget")
-        graphs = self.config.cuda_graphs
-        if graphs is None:
-            graphs = runner.backend == "triton" and runner.model.device.type == "cuda"
-        if graphs:
-            capture = runner.model.device.type == "cuda"
-            steps = runner.enable_graphs(self.config.max_active_requests,
-                                         self.config.max_question_chars + self.config.max_tokens_limit, capture)
-            if capture:     # capture every bucket now, not in the middle of a control cycle
-                steps.warm_up(self.config.denoise_steps or cfg.num_denoise_steps)
         self._mailbox = _Mailbox()
         self._lock = threading.Lock()                       # guards _queue and listeners
         self._queue: collections.deque[RequestHandle] = collections.deque()
@@ -197,9 +188,32 @@ class Engine:
         self._consecutive_faults = 0
         self.faulted = ""                                   # non-empty: safe stop, reason
         self.stats = EngineStats(self.horizon, self.frame_period, runner.pool)
-        self.stats.graphs = runner.graphs
+        self._start_graphs()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+
+    def _start_graphs(self) -> None:
+        """Fixed-shape steps (graphs.py): captured now on CUDA, not in the middle of a control cycle. When
+        they are only the default (cuda_graphs unset) a failed capture is not fatal: the engine runs eagerly
+        and says so (log, diagnostics); when asked for explicitly, it is."""
+        explicit = self.config.cuda_graphs is not None
+        if not (self.config.cuda_graphs if explicit else _graphs_by_default(self.runner)):
+            return
+        capture = self.runner.model.device.type == "cuda"
+        try:
+            steps = self.runner.enable_graphs(self.config.max_active_requests,
+                                              self.config.max_question_chars + self.config.max_tokens_limit, capture)
+            if capture:
+                steps.warm_up(self.config.denoise_steps or self.runner.cfg.num_denoise_steps)
+        except Exception as e:
+            if explicit:
+                raise
+            self.runner.graphs = None
+            message = f"CUDA graphs unavailable, running eagerly (slower): {e}"
+            log.warning(message)
+            self.stats.note_error(message)
+            self.stats.count("graph_capture_failures")
+        self.stats.graphs = self.runner.graphs
 
     # ================================================================== caller API (any thread)
     def submit_observation(self, obs, noise: np.ndarray | None = None) -> None:
@@ -612,6 +626,11 @@ class Engine:
             queued, self._queue = list(self._queue), collections.deque()
         for h in queued:
             h._finish(self._reply(h, None, [], "", "error", message))
+
+
+def _graphs_by_default(runner: ModelRunner) -> bool:
+    """CUDA graphs when the model runs the Triton kernels on CUDA (what they are for)."""
+    return runner.backend == "triton" and runner.model.device.type == "cuda"
 
 
 def _with_text(request: TextRequest, text: str) -> TextRequest:

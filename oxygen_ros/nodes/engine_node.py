@@ -148,7 +148,11 @@ class EngineNode(Node):
             raise ParameterError(str(e)) from None
         source = p["checkpoint"] or "random weights (no checkpoint)"
         self.get_logger().info(f"engine ready: {p['model']} from {source} on {device}, policy {p['policy']}, "
-                               f"{engine.runner.pool.num_blocks} KV blocks of {p['block_size']} tokens")
+                               f"{engine.runner.pool.num_blocks} KV blocks of {p['block_size']} tokens, "
+                               f"attention {engine.runner.backend}, CUDA graphs "
+                               f"{'on' if engine.runner.graphs is not None else 'off'}")
+        if engine.stats.counter("graph_capture_failures"):
+            self.get_logger().warning(engine.stats.last_error)
         return engine
 
     # ------------------------------------------------------------------ diagnostics
@@ -174,7 +178,8 @@ class EngineNode(Node):
         values = {k: s[k] for k in ("frames", "frame_ms_mean", "frame_ms_p99", "prefill_ms_mean", "action_ms_mean",
                                     "action_hz", "tokens_per_s", "avg_batch", "deadline_misses", "dropped_frames",
                                     "faults", "active_requests", "queued_requests", "pool_blocks_used",
-                                    "pool_blocks_total", "pool_occupancy")}
+                                    "pool_blocks_total", "pool_occupancy", "graph_replays", "graph_fallbacks")}
+        values["cuda_graphs"] = self.engine.runner.graphs is not None
         values["last_error"] = s["last_error"]
         return [status("oxygen_ros: engine", level, message, values)]
 
