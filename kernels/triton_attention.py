@@ -378,8 +378,11 @@ def cached_attention(q, k, v, k_cache, v_cache, meta: CachedMeta, *, num_splits:
     q [T, heads, hd], k/v [T, kv_heads, hd], k_cache/v_cache [num_blocks, block_size, kv_heads, hd] (one
     layer, modified in place). num_splits forces the split-KV factor (default: OXYGEN_TRITON_SPLITS, else a
     heuristic on CUDA, 1 on the CPU). cascade (a shared prefix read once for several rows) is not
-    implemented: with GQA packing every prefix tile already serves all query heads of a row, and the rows
-    of one frame re-read an 800-token π0.5 prefix (0.8 MB per layer in bf16) from L2."""
+    implemented: with GQA packing every prefix tile already serves all query heads of a row; the rows of
+    one frame re-read an 800-token π0.5 prefix (0.8 MB per layer in bf16) from L2; and under continuous
+    batching the rows rarely share a frame at all — at the paper's workload (one request per frame, replies
+    spanning ~6 frames) every active request is attached to a different frame, so there is no group to
+    read once. Only a burst of questions about one frame would form one; measure before adding it."""
     if cascade:
         raise NotImplementedError("cascade attention is not implemented")
     t = meta.tensors
