@@ -112,9 +112,10 @@ class DecodeStep:
         plens, olens = ints[:b], ints[b:2 * b]
         ptable = ints[2 * b:2 * b + b * self.prefix_blocks].view(b, self.prefix_blocks)
         otable = ints[2 * b + b * self.prefix_blocks:].view(b, self.own_blocks)
-        longs[2] = scratch * bs                     # padding rows: one token in the scratch block
-        olens.fill_(1)
-        otable[:, 0] = scratch
+        n = len(rows)
+        longs[2, n:] = scratch * bs                 # padding rows: one token in the scratch block
+        olens[n:] = 1
+        otable[n:, 0] = scratch
         for r, row in enumerate(rows):
             j = row.own_before                      # index of the new token in the row's own segment
             prefix_len = row.prefix.length if row.prefix is not None else 0
@@ -122,7 +123,6 @@ class DecodeStep:
             longs[1, r] = prefix_len + j
             longs[2, r] = row.own.blocks[j // bs] * bs + j % bs
             olens[r] = row.own.length
-            otable[r] = 0
             otable[r, :len(row.own.blocks)] = torch.tensor(row.own.blocks, dtype=torch.int32)
             if row.prefix is not None:
                 plens[r] = prefix_len
@@ -205,8 +205,8 @@ class StepGraphs:
         """Make (and on CUDA capture) every bucket and the denoise loop, on padding only."""
         for b in self.buckets:
             self.decode_step(b)([], [])
-        self.denoise_loop(denoise_steps)(Segment((self.pool.scratch_block,), 1),
-                                         torch.zeros(self.denoise_loop(denoise_steps).noise.shape))
+        loop = self.denoise_loop(denoise_steps)
+        loop(Segment((self.pool.scratch_block,), 1), torch.zeros(loop.noise.shape))
 
     def decode(self, rows: list[CachedRow], tokens: list[int]) -> torch.Tensor | None:
         """Logits of one decode step, or None when the batch does not fit a bucket (caller runs it eagerly)."""

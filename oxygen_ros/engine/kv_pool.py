@@ -99,7 +99,8 @@ class KVPool:
         per_block = 2 * layers * block_size * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
         num_blocks = budget_bytes // per_block - 1         # the scratch block counts against the budget
         if num_blocks < 1:
-            raise ValueError(f"KV budget of {budget_bytes} bytes holds less than two blocks of {per_block} bytes (one is the scratch block)")
+            raise ValueError(f"KV budget of {budget_bytes} bytes holds less than two blocks of {per_block} bytes "
+                             "(one is the scratch block)")
         return cls(layers, kv_heads, head_dim, block_size, int(num_blocks), dtype, device)
 
     def blocks_for(self, tokens: int) -> int:
