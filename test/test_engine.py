@@ -24,13 +24,13 @@ def standalone_reply(engine, obs, question: str, max_tokens: int) -> list[int]:
     """Greedy generation on a fresh contiguous cache: the reference each policy must reproduce."""
     runner = engine.runner
     model = runner.model
-    row = runner.prepare(obs).row
+    row = engine.preparer.prepare(obs).row
     cache = inference.ContiguousCache(model, model.prefix_length(row) + 64 + max_tokens)
     pre = inference.prefill(model, cache, [row], runner.backend)
-    q = runner.question_tokens(question, engine.config.question_template)
+    q = engine.question_tokens(question)
     tokens = inference.greedy_generate(model, cache, pre.segments[0], pre.hidden[0], q, max_tokens,
-                                       runner.tokenizer.eos_id, runner.backend)
-    return tokens[:-1] if tokens and tokens[-1] == runner.tokenizer.eos_id else tokens
+                                       engine.tokenizer.eos_id, runner.backend)
+    return tokens[:-1] if tokens and tokens[-1] == engine.tokenizer.eos_id else tokens
 
 
 def run_policy(engine, frames: int, max_tokens: int, image_size: int, seed: int = 0):
@@ -58,7 +58,7 @@ def test_policies_agree_on_actions_and_replies(model_name, small_model, engine_f
         engine = engine_factory(model=model, policy=policy, decode_budget="fixed", tokens_per_frame=2,
                                 kv_budget_mb=16.0)
         results[policy] = run_policy(engine, frames, max_tokens, image_size)
-        assert engine.runner.pool.allocator.num_used == 0, f"{policy} leaked KV blocks"
+        assert engine.runner.pool.blocks.num_used == 0, f"{policy} leaked KV blocks"
     ref_actions, ref_replies = results["isolated"]
     for policy, (actions, replies) in results.items():
         assert np.abs(actions - ref_actions).max() <= ACTION_TOL, policy
@@ -76,7 +76,7 @@ def test_oxygen_batches_across_frames(engine_factory, obs):
     for i in range(6):
         engine.submit(TextRequest("what is on the table?", max_tokens=9))
         report = engine.run_cycle(obs(i))
-        frames_of.append({r.frame.frame_index for r in engine._active})
+        frames_of.append({r.frame.frame_index for r in engine.scheduler.running})
     assert max(len(f) for f in frames_of) >= 3, "one decode batch spans requests of several frames"
     assert report.batch_sizes and max(report.batch_sizes) >= 3
 
@@ -93,7 +93,7 @@ def test_hundred_frames_with_a_request_every_frame_ends_with_an_empty_pool(engin
     assert all(r.success and 1 <= len(r.tokens) <= 10 for r in replies)
     snap = engine.stats.snapshot()
     assert snap["frames"] == 100 and snap["avg_batch"] > 2
-    assert engine.runner.pool.allocator.num_used == 0
+    assert engine.runner.pool.blocks.num_used == 0
     assert {r.frame_index for r in replies} == set(range(100)), "each request attached to its frame"
 
 
@@ -119,10 +119,10 @@ def test_subtask_mode_conditions_the_action_prompt(engine_factory, obs):
     sub = engine_factory(policy="oxygen", subtask=True, subtask_max_tokens=4)
     sub.run_cycle(obs(0), noise)
     assert sub.subtask_text and sub.subtask_text == sub.subtask_text.strip()
-    prompt = sub.runner.tokenizer.decode(sub._prepared.row.tokens.tolist())
+    prompt = sub.tokenizer.decode(sub._prepared.row.tokens.tolist())
     assert f"Task: pick up the red cup. Subtask: {sub.subtask_text}, State:" in prompt
     assert not np.allclose(plain.latest_chunk().model_actions, sub.latest_chunk().model_actions)
-    assert sub.runner.pool.allocator.num_used == 0
+    assert sub.runner.pool.blocks.num_used == 0
 
 
 def test_streaming_partials_and_stop_strings(engine_factory, obs):
@@ -182,7 +182,7 @@ def test_threaded_engine_answers_every_request_and_stops_cleanly(engine_factory)
         cam.join()
         engine.stop()
     assert late.result(timeout=5).finish_reason in ("error", "length")   # answered, never left hanging
-    assert engine.runner.pool.allocator.num_used == 0
+    assert engine.runner.pool.blocks.num_used == 0
 
 
 def test_a_fragmented_pool_gives_the_same_results(engine_factory):
@@ -191,7 +191,7 @@ def test_a_fragmented_pool_gives_the_same_results(engine_factory):
     results = []
     for fragment in (False, True):
         engine = engine_factory(policy="oxygen", decode_budget="fixed", tokens_per_frame=8, block_size=4)
-        alloc = engine.runner.pool.allocator
+        alloc = engine.runner.pool.blocks
         if fragment:
             held = [alloc.allocate(1) for _ in range(alloc.num_blocks)]
             order = np.random.default_rng(0).permutation(len(held))
@@ -201,7 +201,7 @@ def test_a_fragmented_pool_gives_the_same_results(engine_factory):
         h = engine.submit(TextRequest("what is on the table?", max_tokens=8))
         engine.run_cycle(make_observation(0), noise)
         if fragment:
-            frame_blocks = list(engine._active[0].frame.segment.blocks) if engine._active else []
+            frame_blocks = list(engine.scheduler.running[0].frame.segment.blocks) if engine.scheduler.running else []
             assert not frame_blocks or frame_blocks != list(range(frame_blocks[0], frame_blocks[0] + len(frame_blocks)))
         while engine.active_requests:
             engine.run_cycle(None)

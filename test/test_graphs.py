@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import KERNEL_TEST_DEVICE as DEVICE
 from conftest import make_observation, small_config
-from oxygen_ros.engine.engine import EngineConfig
+from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.factory import build_engine, build_model
 from oxygen_ros.engine.graphs import batch_buckets
 from oxygen_ros.engine.requests import TextRequest
@@ -64,7 +64,7 @@ def test_engine_with_fixed_shape_steps_matches_dynamic_path():
     assert snap["graph_fallbacks"] == 0
     decode_steps = sum(c.decode_steps for c in fixed.stats._cycles)
     assert snap["graph_replays"] == 6 + decode_steps and decode_steps > 0     # every chunk and every step
-    assert fixed.runner.pool.allocator.num_used == 0
+    assert fixed.runner.pool.blocks.num_used == 0
 
 
 def _pool_state(pool):
@@ -88,8 +88,8 @@ def test_padded_decode_step_equals_dynamic_and_touches_no_real_block():
     g = torch.Generator().manual_seed(0)
     pool.kv.k.copy_(torch.randn(pool.kv.k.shape, generator=g))     # garbage everywhere: stray writes show
     pool.kv.v.copy_(torch.randn(pool.kv.v.shape, generator=g))
-    prefix = Segment(pool.allocator.allocate(3), 37)              # 37 tokens over 3 blocks of 16
-    own = [pool.allocator.allocate(2), pool.allocator.allocate(1)]
+    prefix = Segment(pool.blocks.allocate(3), 37)              # 37 tokens over 3 blocks of 16
+    own = [pool.blocks.allocate(2), pool.blocks.allocate(1)]
     rows = [CachedRow(1, Segment(own[0], 17), prefix),            # new token opens its second block
             CachedRow(1, Segment(own[1], 1), prefix)]             # first token of a reply
     tokens = [5, 9]
@@ -116,11 +116,11 @@ def test_rows_wider_than_the_tables_fall_back_to_the_dynamic_path():
     engine = make_engine(True, max_active_requests=2)
     runner, pool = engine.runner, engine.runner.pool
     graphs = runner.enable_graphs(max_batch=2, own_tokens=16, capture=runner.graphs.capture)  # 1 own block
-    prefix = Segment(pool.allocator.allocate(2), 20)
-    long_row = CachedRow(1, Segment(pool.allocator.allocate(2), 17), prefix)
-    assert graphs.decode([long_row], [3]) is None and graphs.fallbacks == 1
-    assert graphs.decode([long_row] * 3, [3] * 3) is None                   # more rows than the cap
-    assert graphs.actions(prefix, torch.zeros(1, 6, 8), 4) is None          # another horizon
+    prefix = Segment(pool.blocks.allocate(2), 20)
+    long_row = CachedRow(1, Segment(pool.blocks.allocate(2), 17), prefix)
+    assert graphs.decode_step_for([long_row]) is None and graphs.fallbacks == 1
+    assert graphs.decode_step_for([long_row] * 3) is None                   # more rows than the cap
+    assert graphs.denoise_loop_for(prefix, 6, 4) is None                    # another horizon
     assert graphs.fallbacks == 3 and graphs.replays == 0
 
 

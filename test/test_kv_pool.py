@@ -1,14 +1,15 @@
-"""KVPool / BlockAllocator / FrameCache: reference counts, sharing without copy, exhaustion, no leaks."""
+"""KVPool / BlockManager / FrameCache: reference counts, sharing without copy, exhaustion, no leaks."""
 import pytest
 import torch
 
-from oxygen_ros.engine.kv_pool import BlockAllocator, FrameCache, KVPool, PoolExhausted
+from oxygen_ros.engine.block_manager import BlockManager, PoolExhausted
+from oxygen_ros.engine.kv_pool import FrameCache, KVPool
 from oxygen_ros.engine.requests import TextRequest
 from oxygen_ros.model.attention import Segment
 
 
 def test_allocator_refcounts_and_free():
-    a = BlockAllocator(8)
+    a = BlockManager(8, 16)
     blocks = a.allocate(3)
     assert len(set(blocks)) == 3 and a.num_used == 3 and all(a.refcount(b) == 1 for b in blocks)
     a.incref(blocks)
@@ -23,7 +24,7 @@ def test_allocator_refcounts_and_free():
 
 
 def test_allocator_prefers_consecutive_runs_and_reports_exhaustion():
-    a = BlockAllocator(10)
+    a = BlockManager(10, 16)
     x = a.allocate(4)
     y = a.allocate(2)
     a.decref(x[1:2])                            # a hole at one block
@@ -52,16 +53,16 @@ def test_pool_sizing_from_budget():
 
 def test_frame_cache_blocks_return_with_last_reference():
     pool = KVPool(layers=1, kv_heads=1, head_dim=4, block_size=4, num_blocks=6, dtype=torch.float32, device="cpu")
-    blocks = pool.allocator.allocate(2)
+    blocks = pool.blocks.allocate(2)
     frame = FrameCache(pool, Segment(blocks, 7), 0, 0.0, torch.zeros(4))
     frame.retain()
     frame.retain()
-    assert pool.allocator.refcount(blocks[0]) == 3
+    assert pool.blocks.refcount(blocks[0]) == 3
     frame.release()
     frame.release()
-    assert pool.allocator.num_used == 2
+    assert pool.blocks.num_used == 2
     frame.release()
-    assert pool.allocator.num_used == 0
+    assert pool.blocks.num_used == 0
     with pytest.raises(RuntimeError):
         frame.release()
 
@@ -72,7 +73,7 @@ def test_requests_share_frame_blocks_without_copy(engine_factory, obs):
     engine = engine_factory(policy="oxygen", decode_budget="fixed", tokens_per_frame=1)
     handles = [engine.submit(TextRequest("what is on the table?", max_tokens=8)) for _ in range(3)]
     engine.run_cycle(obs(0))
-    active = list(engine._active)
+    active = list(engine.scheduler.running)
     assert len(active) == 3
     frame = active[0].frame
     assert all(r.frame is frame for r in active)
@@ -81,12 +82,12 @@ def test_requests_share_frame_blocks_without_copy(engine_factory, obs):
     for r in active:
         assert {kv.k[0, b].data_ptr() for b in r.frame.segment.blocks} == prefix_ptrs
         assert not set(r.blocks) & set(frame.segment.blocks)
-        assert len(r.blocks) == engine.runner.request_blocks(len(r.question), 8)
-        assert engine.runner.pool.allocator.refcount(frame.segment.blocks[0]) == 3   # 3 requests
+        assert len(r.blocks) == engine.scheduler.own_blocks(len(r.question), 8)
+        assert engine.runner.pool.blocks.refcount(frame.segment.blocks[0]) == 3   # 3 requests
     while engine.active_requests:
         engine.run_cycle(None)
     assert all(h.result(0).success for h in handles)
-    assert engine.runner.pool.allocator.num_used == 0
+    assert engine.runner.pool.blocks.num_used == 0
 
 
 def test_pool_exhaustion_is_back_pressure_not_a_crash(engine_factory, obs):
@@ -101,14 +102,14 @@ def test_pool_exhaustion_is_back_pressure_not_a_crash(engine_factory, obs):
         engine.run_cycle(obs(i))
         chunks += engine.latest_chunk() is not None and engine.latest_chunk().plan.frame_index == i
         peak_active = max(peak_active, engine.active_requests)
-        assert pool.allocator.num_free >= engine.reserve_blocks   # the next frame always fits
+        assert pool.blocks.num_free >= engine.scheduler.reserve_blocks   # the next frame always fits
         if all(h.done() for h in handles):
             break
     assert chunks == i + 1, "every frame produced its action chunk"
     assert 0 < peak_active < 8, "the pool admitted only what fits"
     assert engine.stats.counter("admission_waits") > 0
     assert all(h.result(0).success for h in handles)
-    assert pool.allocator.num_used == 0
+    assert pool.blocks.num_used == 0
 
 
 def test_attention_reads_the_right_slots_from_scattered_blocks():

@@ -39,7 +39,7 @@ def test_exception_in_a_frame_discards_its_chunk_and_the_engine_recovers(engine_
     assert engine.latest_chunk().plan.stamp_s == obs(2).stamp_s and not engine.faulted
     drain(engine, obs)
     assert waiting.result(0).success and waiting.result(0).frame_stamp == obs(2).stamp_s
-    assert engine.runner.pool.allocator.num_used == 0
+    assert engine.runner.pool.blocks.num_used == 0
 
 
 def test_nan_actions_are_a_fault_and_never_published(engine_factory, obs):
@@ -55,7 +55,7 @@ def test_nan_actions_are_a_fault_and_never_published(engine_factory, obs):
         model.sample_actions = real
     assert "non-finite actions" in report.fault
     assert engine.latest_chunk() is good
-    assert engine.runner.pool.allocator.num_used == 0
+    assert engine.runner.pool.blocks.num_used == 0
 
 
 def test_a_failing_decode_step_fails_its_batch_with_an_error_not_a_hang(engine_factory, obs):
@@ -73,7 +73,7 @@ def test_a_failing_decode_step_fails_its_batch_with_an_error_not_a_hang(engine_f
     later = engine.submit(TextRequest("and now?", max_tokens=4))
     drain(engine, obs)
     assert later.result(0).success
-    assert engine.runner.pool.allocator.num_used == 0
+    assert engine.runner.pool.blocks.num_used == 0
 
 
 def test_nan_logits_fail_only_their_request(engine_factory, obs):
@@ -83,11 +83,13 @@ def test_nan_logits_fail_only_their_request(engine_factory, obs):
     engine.run_cycle(obs(0))
     real = engine.runner.extend
 
-    def poisoned(items):
-        logits = real(items).clone()
-        for row, (req, _) in enumerate(items):
-            if req.handle is a:
-                logits[row] = float("nan")
+    a_blocks = next(s.blocks for s in engine.scheduler.running if s.handle is a)
+
+    def poisoned(rows):
+        logits = real(rows).clone()
+        for i, row in enumerate(rows):
+            if row.blocks == a_blocks:
+                logits[i] = float("nan")
         return logits
 
     engine.runner.extend = poisoned
@@ -95,7 +97,7 @@ def test_nan_logits_fail_only_their_request(engine_factory, obs):
     engine.runner.extend = real
     assert a.result(0).finish_reason == "error" and "non-finite logits" in a.result(0).error
     assert b.result(0).success
-    assert engine.runner.pool.allocator.num_used == 0
+    assert engine.runner.pool.blocks.num_used == 0
 
 
 def test_repeated_faults_trip_a_safe_stop_until_reset(engine_factory, obs):
@@ -118,7 +120,7 @@ def test_repeated_faults_trip_a_safe_stop_until_reset(engine_factory, obs):
     engine.reset_fault()
     engine.run_cycle(obs(6))
     assert engine.latest_chunk().plan.stamp_s == obs(6).stamp_s
-    assert engine.runner.pool.allocator.num_used == 0
+    assert engine.runner.pool.blocks.num_used == 0
 
 
 def test_a_burst_of_1000_requests_is_bounded_answered_or_refused_and_leaves_no_growth(engine_factory, obs):
@@ -143,7 +145,7 @@ def test_a_burst_of_1000_requests_is_bounded_answered_or_refused_and_leaves_no_g
     burst()
     after = rss_mb()
     assert after - before < 20.0, f"memory grew by {after - before:.1f} MB over a second burst"
-    assert engine.runner.pool.allocator.num_used == 0
+    assert engine.runner.pool.blocks.num_used == 0
     assert engine.stats.counter("refused_busy") == 2 * 936
 
 
@@ -171,4 +173,4 @@ def test_an_invalid_observation_is_rejected_by_the_engine_too(engine_factory, ob
     assert engine.stats.counter("bad_observations") == 2 and engine.stats.snapshot()["frames"] == 0
     assert "no valid camera image" in engine.stats.snapshot()["last_error"]
     engine.run_cycle(obs(2))
-    assert engine.latest_chunk() is not None and engine.runner.pool.allocator.num_used == 0
+    assert engine.latest_chunk() is not None and engine.runner.pool.blocks.num_used == 0

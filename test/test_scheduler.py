@@ -102,7 +102,7 @@ def test_fairness_every_active_request_advances_each_step(engine_factory, obs):
     engine = engine_factory(policy="oxygen", decode_budget="fixed", tokens_per_frame=4, max_active_requests=2)
     handles = [engine.submit(TextRequest(f"question number {i}", max_tokens=30)) for i in range(3)]
     engine.run_cycle(obs(0))
-    active = list(engine._active)
+    active = list(engine.scheduler.running)
     assert [r.handle for r in active] == handles[:2], "first come, first admitted"
     assert engine.queued_requests == 1
     assert [len(r.tokens) for r in active] == [5, 5]                 # first token + 4 steps each
@@ -128,7 +128,7 @@ def test_cancel_and_timeout_release_their_blocks(engine_factory, obs):
     ra, rb, rq = a.result(0), b.result(0), queued.result(0)
     assert (ra.finish_reason, rb.finish_reason, rq.finish_reason) == ("cancelled", "timeout", "cancelled")
     assert not ra.success and "timed out after 1 s" in rb.error and rb.tokens
-    assert pool.allocator.num_used == 0
+    assert pool.blocks.num_used == 0
 
 
 def test_only_the_newest_observation_is_processed(engine_factory, obs):

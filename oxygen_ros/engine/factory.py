@@ -13,9 +13,11 @@ from oxygen_ros.model.normalize import Normalizer
 from oxygen_ros.model.pi05 import Pi05
 from oxygen_ros.model.tokenizer import Tokenizer
 
-from .engine import Engine, EngineConfig
+from .config import EngineConfig
+from .engine import Engine
+from .frames import FramePreparer
 from .kv_pool import KVPool
-from .runner import ModelRunner
+from .model_runner import ModelRunner
 
 DEFAULT_DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
 
@@ -62,5 +64,5 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
     norm = Normalizer.load(norm_stats, asset_id) if norm_stats else Normalizer.identity()
     pool = KVPool.from_budget(int(kv_budget_mb * 2**20), cfg.vlm.depth, cfg.vlm.num_kv_heads, cfg.vlm.head_dim,
                               block_size, net.dtype, net.device)
-    runner = ModelRunner(net, tok, pool, norm, backend, state_in_prompt, robot_action_dim, delta_action_mask)
-    return Engine(runner, engine or EngineConfig())
+    preparer = FramePreparer(cfg, tok, norm, state_in_prompt, robot_action_dim, delta_action_mask)
+    return Engine(ModelRunner(net, pool, backend), preparer, tok, engine or EngineConfig())

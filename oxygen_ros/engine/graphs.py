@@ -208,19 +208,22 @@ class StepGraphs:
         loop = self.denoise_loop(denoise_steps)
         loop(Segment((self.pool.scratch_block,), 1), torch.zeros(loop.noise.shape))
 
-    def decode(self, rows: list[CachedRow], tokens: list[int]) -> torch.Tensor | None:
-        """Logits of one decode step, or None when the batch does not fit a bucket (caller runs it eagerly)."""
+    def decode_step_for(self, rows: list[CachedRow]) -> DecodeStep | None:
+        """The fixed-shape step that runs this decode step, or None when it does not fit one (one new token
+        per row, a bucket for the batch, tables wide enough): the caller then runs it eagerly."""
+        if any(r.n_new != 1 for r in rows):
+            return None                             # a question prefill, not a decode step
         bucket = next((b for b in self.buckets if b >= len(rows)), None)
         if bucket is None or not rows or not self.decode_step(bucket).fits(rows):
             self.fallbacks += 1
             return None
         self.replays += 1
-        return self.decode_step(bucket)(rows, tokens)
+        return self.decode_step(bucket)
 
-    def actions(self, prefix: Segment, noise: torch.Tensor, steps: int) -> torch.Tensor | None:
+    def denoise_loop_for(self, prefix: Segment, horizon: int, steps: int) -> DenoiseLoop | None:
         loop = self.denoise_loop(steps)
-        if not loop.fits(prefix, noise.shape[-2]):
+        if not loop.fits(prefix, horizon):
             self.fallbacks += 1
             return None
         self.replays += 1
-        return loop(prefix, noise)
+        return loop

@@ -1,12 +1,15 @@
-"""Language requests: what a caller submits, the handle it gets back, and the engine's record of one.
+"""Language requests: what a caller submits, the handle it gets back, and the scheduler's record of one.
 
 A `RequestHandle` is the caller's side (any thread): a future for the final `Reply`, a stream of partial
 replies, `cancel()`. The engine thread fills it; a slow caller never blocks the engine (the stream is an
-unbounded queue of small strings, the future a threading.Event).
+unbounded queue of small strings, the future a threading.Event), and a done-callback that raises is
+logged and counted, never able to stop the others or the engine.
 """
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 import queue
 import threading
 import time
@@ -15,7 +18,9 @@ from typing import Callable
 
 import torch
 
-FINISH_REASONS = ("stop", "length", "eos", "cancelled", "timeout", "error", "refused")
+from .kv_pool import FrameCache
+
+log = logging.getLogger("oxygen_ros.engine")
 
 
 @dataclass(frozen=True)
@@ -36,8 +41,8 @@ class Sampling:
 
 @dataclass(frozen=True)
 class TextRequest:
-    """What a caller asks. kind: "conversation" (a question about the current scene), "memory" (a scene
-    caption) or "subtask" (π0.5 subtask text)."""
+    """What a caller asks. kind: "conversation" (a question about the current scene) or "memory" (a scene
+    caption). `owner` names who asked (a robot, a client): carried through for per-owner scheduling."""
 
     text: str
     max_tokens: int = 32
@@ -46,6 +51,7 @@ class TextRequest:
     timeout_s: float = 30.0
     kind: str = "conversation"
     session_id: str = ""
+    owner: str = ""
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,14 @@ class RequestHandle:
         return self._reply
 
     def partials(self, timeout: float | None = None):
-        """Yield Partial(text, tokens) as the reply grows, until the request finishes."""
+        """Yield Partial(text, tokens) as the reply grows, until the request finishes. `timeout` bounds the
+        wait for each update (None or inf: no bound; the request's own timeout still ends it). A NaN or
+        negative timeout cancels the request and raises ValueError."""
+        if timeout is not None and not timeout >= 0:
+            self.cancel()
+            raise ValueError(f"partials timeout must be >= 0 seconds or None, got {timeout}")
+        if timeout is not None and math.isinf(timeout):
+            timeout = None
         while True:
             try:
                 item = self._stream.get(timeout=timeout)
@@ -111,12 +124,13 @@ class RequestHandle:
             yield item
 
     def add_done_callback(self, fn: Callable[[Reply], None]) -> None:
-        """fn(reply) runs on the engine thread (or at once if already done): keep it short."""
+        """fn(reply) runs on the engine thread (or at once if already done): keep it short. An exception
+        it raises is logged and counted in `callback_errors`, and stops nothing else."""
         with self._lock:
             if self._reply is None:
                 self._callbacks.append(fn)
                 return
-        fn(self._reply)
+        _run_callback(fn, self._reply, self.id)
 
     # -- engine side
     def _publish_partial(self, text: str, tokens: int) -> None:
@@ -131,7 +145,19 @@ class RequestHandle:
         self._stream.put(None)
         self._done.set()
         for fn in callbacks:
-            fn(reply)
+            _run_callback(fn, reply, self.id)
+
+
+callback_errors = 0      # done-callbacks that raised, process-wide (diagnostics)
+
+
+def _run_callback(fn, reply: Reply, request_id: int) -> None:
+    global callback_errors
+    try:
+        fn(reply)
+    except Exception:  # noqa: BLE001 - a caller's bug must not leave other requests unanswered
+        callback_errors += 1
+        log.exception("done-callback of request %d raised", request_id)
 
 
 def refused(request: TextRequest, reason: str, now: float | None = None) -> RequestHandle:
@@ -142,17 +168,19 @@ def refused(request: TextRequest, reason: str, now: float | None = None) -> Requ
 
 
 @dataclass(eq=False)
-class ActiveRequest:
-    """The engine's record of an admitted request."""
+class Sequence:
+    """The scheduler's record of an admitted request: what it attends to and what it holds. `frame` and
+    `blocks` are released by `Scheduler.finish`, the one place that ends a sequence."""
 
     handle: RequestHandle
     question: list[int]                    # prompt tokens appended after the frame prefix
-    frame: object                          # FrameCache it attends to (holds one reference)
+    frame: FrameCache | None               # the frame it attends to (holds one reference)
     blocks: tuple[int, ...]                # own blocks: question + reply
     admitted_at: float
     generator: torch.Generator | None
+    stops: "StopMatcher"
     tokens: list[int] = field(default_factory=list)
-    own_len: int = 0                       # tokens of this request stored in its own blocks
+    own_len: int = 0                       # tokens of this sequence stored in its own blocks
     text: str = ""
 
     @property
@@ -160,20 +188,23 @@ class ActiveRequest:
         return self.handle.request
 
 
-def sample_tokens(logits: torch.Tensor, samplings: list[Sampling], generators: list) -> list[int]:
-    """One token per row of logits [R, vocab] (float32)."""
-    out = []
-    greedy = [s.temperature == 0.0 for s in samplings]
-    if any(greedy):
-        arg = torch.argmax(logits, dim=-1).tolist()
-    for r, s in enumerate(samplings):
-        if greedy[r]:
-            out.append(arg[r])
-            continue
-        probs = torch.softmax(logits[r].double() / s.temperature, dim=-1)
-        if s.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, 0) - sorted_p < s.top_p   # always keeps the most likely token
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-        out.append(int(torch.multinomial(probs, 1, generator=generators[r])))
-    return out
+class StopMatcher:
+    """Finds the earliest stop string in a growing text, looking only at what is new: per update it costs
+    O(new characters x distinct stop lengths), independent of how many stop strings there are (both are
+    bounded at submit: max_stop_strings, max_stop_chars)."""
+
+    def __init__(self, stops):
+        self._stops = frozenset(s for s in stops if s)
+        self._lengths = sorted({len(s) for s in self._stops}, reverse=True)
+        self._checked = 0          # ends of text up to here have been searched
+
+    def find(self, text: str) -> int:
+        """Start of the earliest stop string ending after the last call (or -1)."""
+        best = -1
+        for end in range(self._checked + 1, len(text) + 1):
+            for n in self._lengths:             # longest first: the earliest start for this end
+                if n <= end and text[end - n:end] in self._stops:
+                    best = end - n if best < 0 else min(best, end - n)
+                    break
+        self._checked = len(text)
+        return best

@@ -1,5 +1,12 @@
-"""How much language work a frame cycle does: the decode budget. Knows nothing of models or kernels.
+"""The scheduler: which language work a frame cycle does. Knows nothing of models or kernels.
 
+`Scheduler` owns the waiting queue (sequences submitted from any thread), admission (attach to a frame,
+own blocks from the block manager, room kept free for the next frame's prefix), the running set, expiry
+(cancel, timeout counted from submission), the decode budget and the post-processing of sampled tokens
+(EOS, stop strings, max_tokens, partial replies). `Scheduler.finish` is the one place a sequence ends:
+it releases the sequence's blocks and frame reference and answers its handle, on every path.
+
+The decode budget (`DecodeBudget`):
 - "fixed": exactly `tokens_per_frame` batched decode steps per cycle (the OxyGen paper's setting);
 - "deadline": keep stepping while the predicted end of the next step stays before the cycle's deadline
   (the frame period after the cycle started: the next action chunk is due then), with at least
@@ -7,6 +14,29 @@
 Step times are predicted from measurements per batch size (exponential moving average).
 """
 from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+from typing import Callable
+
+import torch
+
+from oxygen_ros.model.sampler import sample
+from oxygen_ros.model.tokenizer import Tokenizer
+from oxygen_ros.robot.errors import InputError
+from oxygen_ros.robot.text import validate_text
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .kv_pool import FrameCache
+from .requests import Reply, RequestHandle, Sequence, StopMatcher, TextRequest, refused
+from .stats import EngineStats
+
+log = logging.getLogger("oxygen_ros.engine")
+
+KINDS = ("conversation", "memory")
 
 
 class DecodeBudget:
@@ -36,3 +66,210 @@ class DecodeBudget:
             return 0.0
         nearest = min(self._step_s, key=lambda b: (abs(b - batch), -b))
         return self._step_s[nearest]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager, tokenizer: Tokenizer, reserve_blocks: int,
+                 prefix_blocks: int, stats: EngineStats, clock: Callable[[], float]):
+        self.config, self.blocks, self.tokenizer, self.stats, self.clock = config, blocks, tokenizer, stats, clock
+        self.reserve_blocks = reserve_blocks          # kept free for the next frame's prefill
+        # isolated policy: each request also prefills its own copy of the frame
+        self.request_prefix_blocks = prefix_blocks if config.policy == "isolated" else 0
+        self.budget = DecodeBudget(config.decode_budget, config.tokens_per_frame, config.min_tokens_per_frame)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self._lock = threading.Lock()                  # guards waiting and closed (submit runs on any thread)
+        self.closed = ""                               # non-empty: new requests are refused with this reason
+
+    # ------------------------------------------------------------------ any thread
+    def submit(self, request: TextRequest) -> RequestHandle:
+        """Validate and queue. Whatever cannot be served comes back already finished (finish_reason
+        "refused", the reason in `error`): invalid, never fitting the pool, queue full, engine closed."""
+        now = self.clock()
+        try:
+            question, request = self._validate(request)
+        except (InputError, ValueError, TypeError) as e:
+            self.stats.count("refused_invalid")
+            return refused(request, str(e), now)
+        need = self.own_blocks(len(question), request.max_tokens)
+        if need + self.request_prefix_blocks + self.reserve_blocks > self.blocks.num_blocks:
+            self.stats.count("refused_invalid")
+            return refused(request, f"can never fit: needs {need} KV blocks beside the {self.reserve_blocks} kept "
+                                    f"for frames, the pool has {self.blocks.num_blocks}", now)
+        handle = RequestHandle(request, now)
+        seq = Sequence(handle, question, None, (), math.nan,
+                       torch.Generator().manual_seed(request.sampling.seed) if request.sampling.temperature > 0
+                       else None, StopMatcher(request.stop))
+        with self._lock:
+            if self.closed:
+                return refused(request, self.closed, now)
+            if len(self.waiting) >= self.config.max_queued_requests:
+                self.stats.count("refused_busy")
+                return refused(request, f"busy: {len(self.waiting)} requests already waiting "
+                                        f"(max_queued_requests={self.config.max_queued_requests})", now)
+            self.waiting.append(seq)
+        self.stats.count("submitted")
+        return handle
+
+    def _validate(self, r: TextRequest) -> tuple[list[int], TextRequest]:
+        c = self.config
+        if not isinstance(r, TextRequest):
+            raise TypeError(f"a request must be a TextRequest, got {type(r).__name__}")
+        if r.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {r.kind!r}")
+        text = validate_text(r.text, what="question", max_chars=c.max_question_chars)
+        if isinstance(r.max_tokens, bool) or not isinstance(r.max_tokens, int) \
+                or not 1 <= r.max_tokens <= c.max_tokens_limit:
+            raise ValueError(f"max_tokens must be in 1..{c.max_tokens_limit}, got {r.max_tokens!r}")
+        if not isinstance(r.timeout_s, (int, float)) or not 0 < r.timeout_s <= c.max_timeout_s:
+            raise ValueError(f"timeout_s must be in (0, {c.max_timeout_s:g}] seconds, got {r.timeout_s!r}")
+        if not isinstance(r.stop, (tuple, list)) or len(r.stop) > c.max_stop_strings:
+            raise ValueError(f"at most {c.max_stop_strings} stop strings, got "
+                             f"{len(r.stop) if isinstance(r.stop, (tuple, list)) else type(r.stop).__name__}")
+        for s in r.stop:
+            if not isinstance(s, str) or len(s) > c.max_stop_chars:
+                raise ValueError(f"stop strings must be text of at most {c.max_stop_chars} characters, got "
+                                 f"{type(s).__name__} of length {len(s) if isinstance(s, str) else '?'}")
+        if text != r.text or isinstance(r.stop, list):
+            from dataclasses import replace
+            r = replace(r, text=text, stop=tuple(r.stop))
+        return self.tokenizer.encode(c.question_template.format(text=text)), r
+
+    def own_blocks(self, question_tokens: int, max_tokens: int) -> int:
+        # The last sampled token is never fed back, so a reply of max_tokens stores max_tokens - 1 tokens.
+        return max(1, self.blocks.blocks_for(question_tokens + max_tokens - 1))
+
+    def close(self, reason: str) -> None:
+        with self._lock:
+            self.closed = reason
+
+    def reopen(self) -> None:
+        with self._lock:
+            self.closed = ""
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ------------------------------------------------------------------ engine thread
+    def expire(self, now: float) -> None:
+        """Cancelled requests and those past their timeout (counted from submission), queued or running."""
+        for seq in list(self.running):
+            self._expire_one(seq, now)
+        with self._lock:
+            waiting = list(self.waiting)
+        for seq in waiting:
+            self._expire_one(seq, now, " in the queue")
+
+    def _expire_one(self, seq: Sequence, now: float, where: str = "") -> None:
+        if seq.handle.cancelled:
+            self.finish(seq, "cancelled", "cancelled" + (" before admission" if where else ""))
+        elif now - seq.handle.submitted_at > seq.request.timeout_s:
+            self.finish(seq, "timeout", f"timed out after {seq.request.timeout_s:g} s{where}")
+
+    def admit(self, frame: FrameCache, attach: Callable[[FrameCache], FrameCache]) -> list[Sequence]:
+        """Attach waiting sequences to this frame while there is room: the batch cap, and KV blocks beyond
+        the reserve. One that does not fit now stays queued without blocking smaller ones behind it (none
+        waits for ever: what can never fit was refused at submit, and timeouts are bounded).
+        `attach(frame)` gives a sequence its frame reference (a retain, or its own prefill)."""
+        admitted: list[Sequence] = []
+        with self._lock:
+            candidates = list(self.waiting)
+        waited = False
+        for seq in candidates:
+            if len(self.running) >= self.config.max_active_requests:
+                break
+            need = self.own_blocks(len(seq.question), seq.request.max_tokens)
+            if self.blocks.num_free - need - self.request_prefix_blocks < self.reserve_blocks:
+                waited = True                            # back-pressure: it stays queued
+                continue
+            with self._lock:
+                self.waiting.remove(seq)
+            self.running.append(seq)
+            seq.admitted_at = self.clock()
+            try:
+                seq.blocks = self.blocks.allocate(need)
+                seq.frame = attach(frame)
+            except Exception as e:  # noqa: BLE001 - e.g. a failed isolated prefill: this request only
+                self.finish(seq, "error", f"could not admit: {e}")
+                continue
+            admitted.append(seq)
+        if waited:
+            self.stats.count("admission_waits")
+        return admitted
+
+    def decode_batch(self) -> list[Sequence]:
+        return self.running[:self.config.max_active_requests]
+
+    def postprocess(self, seqs: list[Sequence], fed: list[int], logits: torch.Tensor) -> int:
+        """After a forward that appended fed[i] tokens to seqs[i]: record them, sample one token per
+        sequence and apply it. A row with non-finite logits fails its sequence alone. Returns the number of
+        tokens produced."""
+        for seq, n in zip(seqs, fed):
+            seq.own_len += n
+        s = [seq.request.sampling for seq in seqs]
+        tokens, ok = sample(logits, [x.temperature for x in s], [x.top_p for x in s], [q.generator for q in seqs])
+        produced = 0
+        for seq, token, good in zip(seqs, tokens, ok):
+            if not good:
+                self.stats.count("faults")
+                self.stats.count("nonfinite_logits")
+                self.stats.note_error(f"request {seq.handle.id}: non-finite logits")
+                self.finish(seq, "error", "the model produced non-finite logits")
+                continue
+            produced += 1
+            self._apply(seq, token)
+        return produced
+
+    def _apply(self, seq: Sequence, token: int) -> None:
+        if token == self.tokenizer.eos_id and not self.config.ignore_eos:
+            self.finish(seq, "eos")
+            return
+        seq.tokens.append(token)
+        text = self.tokenizer.decode(seq.tokens)
+        stop_at = seq.stops.find(text)
+        if stop_at >= 0:
+            seq.text = text[:stop_at]
+            self.finish(seq, "stop")
+            return
+        if text != seq.text:
+            seq.text = text
+            seq.handle._publish_partial(text, len(seq.tokens))
+        if len(seq.tokens) >= seq.request.max_tokens:
+            self.finish(seq, "length")
+        elif seq.handle.cancelled:
+            self.finish(seq, "cancelled", "cancelled")
+
+    def finish(self, seq: Sequence, reason: str, error: str = "") -> None:
+        """End a sequence (queued or running): release what it holds, answer its handle."""
+        with self._lock:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        now = self.clock()
+        frame = seq.frame
+        h = seq.handle
+        reply = Reply(reason in ("stop", "length", "eos"), seq.text, list(seq.tokens), reason, error,
+                      frame.frame_index if frame is not None else -1, frame.stamp if frame is not None else 0.0,
+                      (seq.admitted_at if not math.isnan(seq.admitted_at) else now) - h.submitted_at,
+                      now - h.submitted_at)
+        try:
+            blocks, seq.blocks = seq.blocks, ()
+            if blocks:
+                self.blocks.decref(blocks)
+            if frame is not None:
+                seq.frame = None
+                frame.release()
+        finally:
+            h._finish(reply)
+            self.stats.count(f"finished_{reason}")
+
+    def fail(self, seqs: list[Sequence], message: str) -> None:
+        for seq in list(seqs):
+            self.finish(seq, "error", message)
+
+    def fail_all(self, message: str) -> None:
+        with self._lock:
+            waiting = list(self.waiting)
+        self.fail(list(self.running) + waiting, message)

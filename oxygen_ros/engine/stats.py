@@ -6,10 +6,12 @@ import threading
 
 import numpy as np
 
+from . import requests
+
 
 class EngineStats:
-    def __init__(self, horizon: int, frame_period: float, pool, window: int = 200):
-        self.horizon, self.frame_period, self.pool = horizon, frame_period, pool
+    def __init__(self, horizon: int, frame_period: float, blocks, window: int = 200):
+        self.horizon, self.frame_period, self.blocks = horizon, frame_period, blocks
         self._cycles = collections.deque(maxlen=window)
         self._counters: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
@@ -17,7 +19,7 @@ class EngineStats:
         self.dropped_frames = 0
         self.active = 0
         self.queued = 0
-        self.graphs = None          # the runner's StepGraphs, when fixed-shape steps are on
+        self.graphs = None          # the runner's StepGraphs, when fixed-shape steps are on (its counters)
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -70,11 +72,12 @@ class EngineStats:
             "faults": counters.get("faults", 0),
             "active_requests": self.active,
             "queued_requests": self.queued,
-            "pool_blocks_used": self.pool.allocator.num_used,
-            "pool_blocks_total": self.pool.num_blocks,
-            "pool_peak_blocks": self.pool.allocator.peak_used,
-            "pool_occupancy": self.pool.occupancy(),
+            "pool_blocks_used": self.blocks.num_used,
+            "pool_blocks_total": self.blocks.num_blocks,
+            "pool_peak_blocks": self.blocks.peak_used,
+            "pool_occupancy": self.blocks.num_used / self.blocks.num_blocks,
             "counters": counters,
+            "callback_errors": requests.callback_errors,
             "graph_replays": self.graphs.replays if self.graphs else 0,
             "graph_fallbacks": self.graphs.fallbacks if self.graphs else 0,
             "last_error": self.last_error,

@@ -10,6 +10,7 @@ import torch
 
 from .attention import ActionAttention, CachedAttention, CachedRow, PagedKV, Segment, default_backend
 from .pi05 import Pi05, PrefixRow
+from .sampler import greedy
 
 
 class ContiguousCache:
@@ -76,7 +77,7 @@ def greedy_generate(model: Pi05, cache: ContiguousCache, prefix: Segment, first_
         logits = model.logits(hidden)
         if record_logits is not None:
             record_logits.append(logits[0].clone())
-        token = int(torch.argmax(logits[0]))
+        token = int(greedy(logits)[0])
         out.append(token)
         if token == eos_id or len(out) == max_new_tokens:
             break

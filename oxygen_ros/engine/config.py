@@ -1,0 +1,85 @@
+"""EngineConfig: every engine setting, declared once. Each field carries its description and bounds; the
+engine validates from them, and the engine node generates its ROS parameters from them (fields marked
+`ros=False` are not node parameters: templates, test and benchmark switches)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+POLICIES = ("isolated", "shared_kv", "oxygen")
+
+
+def setting(default: Any, description: str, *, minimum: float | None = None, maximum: float | None = None,
+            choices: tuple = (), ros: bool = True):
+    return field(default=default, metadata=dict(description=description, minimum=minimum, maximum=maximum,
+                                                choices=choices, ros=ros))
+
+
+@dataclass
+class EngineConfig:
+    policy: str = setting("oxygen", "Scheduling policy (isolated and shared_kv exist for comparisons).",
+                          choices=POLICIES)
+    action_rate_hz: float = setting(70.0, "Action publishing rate; chunk rows are 1/action_rate_hz apart (the "
+                                          "frame period is horizon / rate).", minimum=1.0, maximum=1000.0)
+    decode_budget: str = setting("deadline", "Language decode steps per frame: until the next chunk is due "
+                                             "(deadline) or a fixed tokens_per_frame.", choices=("deadline", "fixed"))
+    tokens_per_frame: int = setting(5, "Decode steps per frame with decode_budget=fixed (the paper's setting).",
+                                    minimum=1)
+    min_tokens_per_frame: int = setting(1, "Decode steps every active request gets per frame even when late.",
+                                        minimum=0)
+    max_active_requests: int = setting(32, "Largest decode batch.", minimum=1)
+    max_queued_requests: int = setting(64, "Requests that may wait for admission; more are refused as busy.",
+                                       minimum=0)
+    max_tokens_limit: int = setting(256, "Largest max_tokens a request may ask for.", minimum=1)
+    max_question_chars: int = setting(2000, "Longest question accepted (characters).", minimum=1)
+    max_stop_strings: int = setting(16, "Most stop strings a request may give.", minimum=0, maximum=1024)
+    max_stop_chars: int = setting(64, "Longest stop string accepted (characters).", minimum=1, maximum=4096)
+    max_timeout_s: float = setting(300.0, "Longest request timeout accepted (seconds).", minimum=0.1)
+    question_template: str = setting("{text}\n", "How a question is appended after the frame's prefix.")
+    denoise_steps: int | None = setting(None, "Flow-matching steps (None: the model config's).", ros=False)
+    memory_prompt: str = setting("Describe the scene.", "Prompt of the periodic scene captions.")
+    memory_every_frames: int = setting(0, "Caption every N frames (0: off).", minimum=0)
+    memory_period_s: float = setting(0.0, "Caption every S seconds (0: off).", minimum=0.0)
+    memory_max_tokens: int = setting(24, "Caption length in tokens.", minimum=1)
+    memory_log_size: int = setting(100, "Captions kept in the engine's log.", minimum=1)
+    subtask: bool = setting(False, "pi0.5 subtask mode: generate a subtask text, then condition the actions "
+                                   "on it.")
+    subtask_template: str = setting("{task}. Subtask:", "Prompt that asks for the subtask.", ros=False)
+    action_task_template: str = setting("{task}. Subtask: {subtask}", "Action prompt in subtask mode.", ros=False)
+    subtask_max_tokens: int = setting(12, "Longest subtask text in tokens.", minimum=1)
+    max_consecutive_faults: int = setting(5, "Faulty frames in a row that trip the safe stop.", minimum=1)
+    seed: int = setting(0, "Seed of the flow-matching noise and of the random demo weights.")
+    # None: on when the model runs the Triton kernels on CUDA. True on the CPU replays the same fixed-shape
+    # steps eagerly (tests). The node exposes it as auto/on/off.
+    cuda_graphs: bool | None = setting(None, "Decode steps and denoise loops as CUDA graphs (graphs.py).",
+                                       ros=False)
+    # Benchmark only: EOS is kept as an ordinary token, so every reply runs to max_tokens (or a stop
+    # string); never set it when serving.
+    ignore_eos: bool = setting(False, "Benchmark only: replies run to max_tokens.", ros=False)
+
+    def validate(self) -> None:
+        """Every problem at once, from the fields' declared bounds (NaN fails every bound)."""
+        problems = []
+        for f in fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if value is None:
+                continue
+            if meta["choices"] and value not in meta["choices"]:
+                problems.append(f"{f.name} must be one of {meta['choices']}, got {value!r}")
+            if isinstance(value, float) and not math.isfinite(value):
+                problems.append(f"{f.name} must be finite, got {value}")
+            elif meta["minimum"] is not None and not value >= meta["minimum"]:
+                problems.append(f"{f.name} must be >= {meta['minimum']}, got {value}")
+            elif meta["maximum"] is not None and not value <= meta["maximum"]:
+                problems.append(f"{f.name} must be <= {meta['maximum']}, got {value}")
+        if "{text}" not in self.question_template:
+            problems.append("question_template must contain {text}")
+        if problems:
+            raise ValueError("invalid engine config: " + "; ".join(problems))
+
+
+def node_settings() -> list:
+    """(name, default, description, choices, minimum, maximum) of the settings a node exposes."""
+    return [(f.name, f.default, f.metadata["description"], f.metadata["choices"], f.metadata["minimum"],
+             f.metadata["maximum"]) for f in fields(EngineConfig) if f.metadata["ros"]]

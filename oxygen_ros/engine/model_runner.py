@@ -1,0 +1,120 @@
+"""ModelRunner: the engine's only door to the model. It runs prefill, action sampling and text extension
+on the KV pool, given rows and block tables; it never sees a request record and allocates only the
+blocks of a frame it prefills (through the block manager), releasing them itself if the prefill fails.
+
+Whether a step runs as a fixed-shape (CUDA-graph) step or eagerly is decided in one place, `_forward` /
+`_denoise`: the fixed-shape step when one is enabled and the step fits it, else the eager forward.
+Everything here runs on the engine thread, which owns the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from oxygen_ros.model.attention import ActionAttention, CachedAttention, CachedRow, Segment
+from oxygen_ros.model.pi05 import Pi05, PrefixRow
+
+from .graphs import StepGraphs
+from .kv_pool import FrameCache, KVPool
+
+
+class EngineFault(RuntimeError):
+    """A model computation produced something unusable (NaN/inf): the frame's results are discarded."""
+
+
+@dataclass(frozen=True)
+class TextRow:
+    """New tokens appended to a sequence: its frame prefix, its own blocks and how many tokens they hold."""
+
+    prefix: Segment
+    blocks: tuple[int, ...]
+    own_len: int
+    tokens: list[int]
+
+
+class ModelRunner:
+    def __init__(self, model: Pi05, pool: KVPool, backend: str = "torch"):
+        self.model, self.pool, self.backend = model, pool, backend
+        self.cfg = model.cfg
+        self.graphs: StepGraphs | None = None
+
+    def enable_graphs(self, max_batch: int, own_tokens: int, capture: bool) -> StepGraphs:
+        """Serve decode steps and denoise loops from fixed-shape steps (CUDA graphs when `capture`; see
+        graphs.py). They read their metadata from tensors, which only the Triton kernels do."""
+        if self.backend != "triton":
+            raise ValueError("fixed-shape steps (cuda_graphs) need the triton attention backend, "
+                             f"the runner uses {self.backend!r}")
+        if capture and self.model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model, this one is on {self.model.device}")
+        self.graphs = StepGraphs(self.model, self.pool, max_batch, self.max_prefix_tokens(), own_tokens, capture)
+        return self.graphs
+
+    def disable_graphs(self) -> None:
+        self.graphs = None
+
+    def max_prefix_tokens(self) -> int:
+        return len(self.cfg.camera_slots) * self.cfg.image_tokens + self.cfg.max_token_len
+
+    # ------------------------------------------------------------------ frames
+    @torch.inference_mode()
+    def prefill(self, row: PrefixRow, frame_index: int, stamp: float) -> FrameCache:
+        """Prefill one frame into fresh pool blocks; the returned handle holds the caller's reference."""
+        n = self.model.prefix_length(row)
+        blocks = self.pool.blocks.allocate(self.pool.blocks_for(n))
+        try:
+            cached = CachedRow(n_new=n, own=Segment(blocks, n), bidir=self.model.prefix_bidir(row))
+            hidden = self.model.prefill([row], CachedAttention(self.pool.kv, [cached], self.backend,
+                                                               self.model.device))
+            if not torch.isfinite(hidden).all():
+                raise EngineFault(f"frame {frame_index}: prefill produced non-finite values")
+        except BaseException:
+            self.pool.blocks.decref(blocks)
+            raise
+        return FrameCache(self.pool, cached.own, frame_index, stamp, hidden[0])
+
+    @torch.inference_mode()
+    def actions(self, frame: FrameCache, noise: torch.Tensor, steps: int | None = None) -> np.ndarray:
+        """Model-space action chunk [H, action_dim] of a frame (float32)."""
+        x = self._denoise(frame.segment, noise.reshape(1, *noise.shape[-2:]), steps or self.cfg.num_denoise_steps)
+        x = x[0].cpu().numpy()
+        if not np.all(np.isfinite(x)):
+            raise EngineFault(f"frame {frame.frame_index}: the action expert produced non-finite actions")
+        return x
+
+    def _denoise(self, prefix: Segment, noise: torch.Tensor, steps: int) -> torch.Tensor:
+        loop = self.graphs.denoise_loop_for(prefix, noise.shape[-2], steps) if self.graphs is not None else None
+        if loop is not None:
+            return loop(prefix, noise)
+        attn = ActionAttention(self.pool.kv, [prefix], noise.shape[-2], self.backend, self.model.device)
+        return self.model.sample_actions(noise, attn, steps)
+
+    # ------------------------------------------------------------------ text
+    @torch.inference_mode()
+    def extend(self, rows: list[TextRow]) -> torch.Tensor:
+        """Append each row's tokens (a question, or the last sampled token) in one batched forward; returns
+        the logits of each row's last new token [R, vocab] (float32). The caller records the new lengths."""
+        cached = []
+        for r in rows:
+            total = r.own_len + len(r.tokens)
+            if total > len(r.blocks) * self.pool.block_size:
+                raise RuntimeError(f"a sequence of {total} tokens outgrew its {len(r.blocks)} blocks")
+            cached.append(CachedRow(n_new=len(r.tokens), own=Segment(r.blocks, total), prefix=r.prefix))
+        return self._forward(cached, [t for r in rows for t in r.tokens])
+
+    def _forward(self, rows: list[CachedRow], tokens: list[int]) -> torch.Tensor:
+        step = self.graphs.decode_step_for(rows) if self.graphs is not None else None
+        if step is not None:
+            return step(rows, tokens)
+        return self.model.logits(self.model.extend(
+            torch.tensor(tokens, dtype=torch.long),
+            CachedAttention(self.pool.kv, rows, self.backend, self.model.device)))
+
+    @torch.inference_mode()
+    def frame_logits(self, frame: FrameCache) -> torch.Tensor:
+        """Logits of the token after the frame's prefix [1, vocab] (text with no question)."""
+        return self.model.logits(frame.last_hidden[None])
+
+    def noise(self, generator: torch.Generator) -> torch.Tensor:
+        return torch.randn(self.cfg.action_horizon, self.cfg.action_dim, generator=generator)
