@@ -25,10 +25,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from oxygen_ros.engine.engine import POLICIES, Engine, EngineConfig
+from oxygen_ros.engine.config import POLICIES, EngineConfig
+from oxygen_ros.engine.engine import Engine
 
 from . import analysis, report
-from .harness import run_workload
+from .harness import REQUEST_TIMEOUT_S, run_workload
 from .reference import standalone_check
 from .workload import ROBOTS, make_workload, parse_arrival
 
@@ -121,7 +122,8 @@ def make_engine(model, setting: str, a, reply_tokens: int, tokens_per_frame: int
                        tokens_per_frame=tokens_per_frame, action_rate_hz=a.action_rate_hz,
                        denoise_steps=a.denoise_steps, ignore_eos=True, max_active_requests=a.max_batch,
                        max_queued_requests=max(64, 4 * a.max_batch), max_tokens_limit=max(256, reply_tokens),
-                       seed=a.seed, cuda_graphs=False if a.no_cuda_graphs else None)
+                       seed=a.seed, cuda_graphs=False if a.no_cuda_graphs else None,
+                       max_timeout_s=REQUEST_TIMEOUT_S)
     # Random full-size weights run with the shipped small tokenizer (the factory allows it without a checkpoint).
     return build_engine(built_model=model, engine=cfg, checkpoint=a.checkpoint, tokenizer=a.tokenizer,
                         kv_budget_mb=a.kv_budget_mb)
@@ -180,7 +182,7 @@ def summarize(records: dict, engines: dict, wl, horizon: int) -> dict:
     steady_from = analysis.ramp_frames(wl, records["oxygen"]) if "oxygen" in records else 0
     settings = {s: analysis.setting_stats(recs, wl, horizon, steady_from) for s, recs in records.items()}
     for s, st in settings.items():
-        st["pool_peak_blocks"] = int(engines[s].runner.pool.allocator.peak_used)
+        st["pool_peak_blocks"] = int(engines[s].stats.snapshot()["pool_peak_blocks"])
         st["ideal_speedup"] = None
     parts = analysis.measured_parts(records, wl, steady_from)
     ideal = analysis.ideal_speedup(parts)
@@ -246,16 +248,16 @@ def main(argv: list[str] | None = None) -> int:
             run_workload(engine, warm, s, -1)
         log(f"warm-up: {a.warmup_frames} frames per setting in {time.perf_counter() - t:.1f} s (not counted)")
     for engine in engines.values():   # peak pool use of the timed runs only
-        engine.runner.pool.allocator.peak_used = engine.runner.pool.allocator.num_used
+        engine.reset_pool_peak()
 
     records = run_settings(engines, wl, a.repeat, log)
     result = summarize(records, engines, wl, cfg.action_horizon)
     if a.check_frames:
-        sa = standalone_check(first, wl, records[names[0]][0], a.check_frames)
+        sa = standalone_check(model, first, wl, records[names[0]][0], a.check_frames)
         result["equivalence"]["standalone"] = sa
         result["equivalence"]["max_action_diff"] = max(result["equivalence"]["max_action_diff"], sa["max_action_diff"])
         result["equivalence"]["replies_match"] = bool(result["equivalence"]["replies_match"] and sa["replies_match"])
-    result["pool_empty_at_end"] = all(e.runner.pool.allocator.num_used == 0 for e in engines.values())
+    result["pool_empty_at_end"] = all(e.stats.snapshot()["pool_blocks_used"] == 0 for e in engines.values())
 
     if a.sweep:
         knob, values = a.sweep
@@ -270,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                 sw_wl = make_workload(frames=a.frames, reply_tokens=T, **{**common, "tokens_per_frame": k})
                 recs = run_settings(sw_engines, sw_wl, a.sweep_repeat, log, label=f"sweep {knob}={v} ")
                 res, reps = summarize(recs, sw_engines, sw_wl, cfg.action_horizon), a.sweep_repeat
-                result["pool_empty_at_end"] &= all(e.runner.pool.allocator.num_used == 0 for e in sw_engines.values())
+                result["pool_empty_at_end"] &= all(e.stats.snapshot()["pool_blocks_used"] == 0
+                                                   for e in sw_engines.values())
             st = res["settings"]
             ox = st.get("oxygen", {})
             points.append({"value": v, "repetitions": reps, "speedup_vs_isolated": ox.get("speedup_vs_isolated"),
@@ -294,9 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         "preset": a.preset, "parameters": num_parameters(cfg),
         "parameters_built": int(sum(p.numel() for p in model.parameters())),
         "weights": a.checkpoint or f"random (seed {a.seed})", "dtype": str(model.dtype).removeprefix("torch."),
-        "device": str(model.device), "attention_backend": first.runner.backend,
-        "cuda_graphs": first.runner.graphs is not None and first.runner.graphs.capture,
-        "frame_period_s": first.frame_period, "action_horizon": cfg.action_horizon,
+        "device": str(model.device), "attention_backend": first.info.attention_backend,
+        "cuda_graphs": first.info.cuda_graphs and model.device.type == "cuda",
+        "frame_period_s": first.info.frame_period_s, "action_horizon": cfg.action_horizon,
         "workload": wl.params(), "settings": names, "repetitions": a.repeat, "warmup_frames": a.warmup_frames,
         "date": started,
         "command": "python -m oxygen_ros.bench " + " ".join(sys.argv[1:] if argv is None else argv),

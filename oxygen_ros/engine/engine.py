@@ -275,6 +275,11 @@ class Engine:
     def subtask_text(self) -> str:
         return self._subtask_text
 
+    def reset_pool_peak(self) -> None:
+        """Start a new measurement of the peak KV blocks in use (stats: pool_peak_blocks), e.g. after a
+        benchmark's warm-up."""
+        self.runner.pool.blocks.reset_peak()
+
     def question_tokens(self, text: str) -> list[int]:
         """The tokens a question is appended as (after the frame's prefix)."""
         return self.tokenizer.encode(self.config.question_template.format(text=text))

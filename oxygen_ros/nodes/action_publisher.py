@@ -55,15 +55,15 @@ class ActionPublisher(Node):
         self.p, problems = declare_all(self, PARAMS)
         p = self.p
         self.inputs_fresh = inputs_fresh or (lambda: True)
-        dim = engine.runner.robot_action_dim
+        dim = engine.info.action_dim
         self.names = list(p["joint_names"])
         if self.names and len(self.names) != dim:
             problems.append(f"joint_names has {len(self.names)} names, the actions have {dim} dimensions")
         if p["output_type"] in ("joint_state", "joint_trajectory") and not self.names:
             problems.append(f"output_type {p['output_type']} needs joint_names")
-        if abs(engine.config.action_rate_hz - p["action_rate_hz"]) > 1e-9:
+        if abs(engine.info.action_rate_hz - p["action_rate_hz"]) > 1e-9:
             problems.append(f"action_rate_hz {p['action_rate_hz']} differs from the engine's "
-                            f"{engine.config.action_rate_hz} (chunk rows would be mistimed)")
+                            f"{engine.info.action_rate_hz} (chunk rows would be mistimed)")
         try:
             self.limits = ActionLimits.from_config(dim, p["lower_limits"] or None, p["upper_limits"] or None,
                                                    p["max_velocity"] or None, 1.0 / p["action_rate_hz"])

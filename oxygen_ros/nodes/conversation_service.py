@@ -82,7 +82,7 @@ class ConversationService(Node):
             raise ParameterError("\n".join(problems))
         self._Converse, self._ConverseAction, self._CaptionMsg = Converse, ConverseAction, CaptionMsg
         self._seeds = itertools.count(1)
-        self.sessions = Sessions(self.p["session_turns"], self.p["max_sessions"], engine.config.max_question_chars)
+        self.sessions = Sessions(self.p["session_turns"], self.p["max_sessions"], engine.info.max_question_chars)
         self.counts = {"requests": 0, "answered": 0, "failed": 0, "streams": 0, "streams_rejected": 0}
         self._streams: dict = {}            # goal id -> engine handle (for cancel)
         self._stream_slots = 0              # accepted goals not finished yet
@@ -110,7 +110,7 @@ class ConversationService(Node):
 
     # ------------------------------------------------------------------ request mapping
     def _text_request(self, r) -> TextRequest:
-        question = validate_text(r.text, what="question", max_chars=self.engine.config.max_question_chars)
+        question = validate_text(r.text, what="question", max_chars=self.engine.info.max_question_chars)
         return TextRequest(
             text=self.sessions.question(r.session_id, question), max_tokens=r.max_tokens or self.p["default_max_tokens"],
             sampling=Sampling(temperature=max(float(r.temperature), 0.0), top_p=float(r.top_p) or 1.0,
@@ -212,7 +212,7 @@ class ConversationService(Node):
     def diagnostics(self) -> list[DiagnosticStatus]:
         level = DiagnosticStatus.OK
         message = "ready"
-        if self.engine.queued_requests >= self.engine.config.max_queued_requests:
+        if self.engine.queued_requests >= self.engine.info.max_queued_requests:
             level, message = DiagnosticStatus.WARN, "request queue full: new requests are refused as busy"
         values = dict(self.counts, active=self.engine.active_requests, queued=self.engine.queued_requests,
                       active_streams=self._stream_slots, captions=len(self.engine.captions()))

@@ -12,14 +12,19 @@ import torch
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rclpy.node import Node
 
-from oxygen_ros.engine.engine import POLICIES, Engine, EngineConfig
+from oxygen_ros.engine.config import EngineConfig, node_settings
+from oxygen_ros.engine.engine import Engine
 from oxygen_ros.engine.factory import build_engine, model_config
 from oxygen_ros.model.checkpoint import checkpoint_settings
 from oxygen_ros.model.config import PREFIX_MODES, PRESETS
 
 from .params import Param, ParameterError, declare_all
 
-PARAMS = [
+# Engine settings come from EngineConfig (declared once, with their descriptions and bounds); the rest
+# are how the engine is built.
+ENGINE_PARAMS = [Param(name, default, description, choices, minimum, maximum)
+                 for name, default, description, choices, minimum, maximum in node_settings()]
+PARAMS = ENGINE_PARAMS + [
     Param("model", "tiny", "Model size: a preset (tiny, bench, pi05) or a model config file (JSON/YAML)."),
     Param("checkpoint", "", "openpi or LeRobot pi05 checkpoint (directory with model.safetensors, or the "
                             "file). Empty: deterministic random weights (demo and benchmarks only)."),
@@ -34,23 +39,8 @@ PARAMS = [
     Param("cuda_graphs", "auto", "Decode steps and denoise loops as CUDA graphs, captured at start (auto: on "
                                  "with Triton on CUDA; off: eager launches, for debugging).",
           choices=("auto", "on", "off")),
-    Param("policy", "oxygen", "Scheduling policy (isolated and shared_kv exist for comparisons).",
-          choices=POLICIES),
-    Param("decode_budget", "deadline", "Language decode steps per frame: until the next chunk is due "
-                                       "(deadline) or a fixed tokens_per_frame.", choices=("deadline", "fixed")),
-    Param("tokens_per_frame", 5, "Decode steps per frame with decode_budget=fixed.", minimum=1),
-    Param("min_tokens_per_frame", 1, "Decode steps every active request gets per frame even when late.",
-          minimum=0),
-    Param("max_active_requests", 32, "Largest decode batch.", minimum=1),
-    Param("max_queued_requests", 64, "Requests that may wait for admission; more are refused as busy.",
-          minimum=0),
-    Param("max_tokens_limit", 256, "Largest max_tokens a request may ask for.", minimum=1),
-    Param("max_question_chars", 2000, "Longest question accepted (characters).", minimum=1),
-    Param("question_template", "{text}\n", "How a question is appended after the frame's prefix."),
     Param("kv_budget_mb", 256.0, "Memory of the paged KV pool (MiB).", minimum=1.0),
     Param("block_size", 16, "Tokens per KV block.", minimum=1, maximum=1024),
-    Param("action_rate_hz", 70.0, "Action publishing rate; chunk rows are 1/action_rate_hz apart.",
-          minimum=1.0, maximum=1000.0),
     Param("action_horizon", 0, "Actions per chunk (0: the model's). Must match what the checkpoint was "
                                "trained with.", minimum=0),
     Param("denoise_steps", 0, "Flow-matching steps per chunk (0: the model's).", minimum=0),
@@ -62,15 +52,6 @@ PARAMS = [
     Param("robot_action_dim", 0, "Action dimensions the robot uses (0: all of the model's).", minimum=0),
     Param("delta_action_mask", [], "Per action dimension: true where the model predicts a change from the "
                                    "current state (openpi delta actions, e.g. ALOHA joints); grippers false."),
-    Param("memory_prompt", "Describe the scene.", "Prompt of the periodic scene captions."),
-    Param("memory_every_frames", 0, "Caption every N frames (0: off).", minimum=0),
-    Param("memory_period_s", 0.0, "Caption every S seconds (0: off).", minimum=0.0),
-    Param("memory_max_tokens", 24, "Caption length in tokens.", minimum=1),
-    Param("memory_log_size", 100, "Captions kept in the engine's log.", minimum=1),
-    Param("subtask", False, "pi0.5 subtask mode: generate a subtask text, then condition the actions on it."),
-    Param("subtask_max_tokens", 12, "Longest subtask text in tokens.", minimum=1),
-    Param("max_consecutive_faults", 5, "Faulty frames in a row that trip the safe stop.", minimum=1),
-    Param("seed", 0, "Seed of the flow-matching noise and of the random demo weights."),
     Param("torch_threads", 0, "CPU threads for torch (0: torch's default).", minimum=0),
 ]
 
@@ -124,17 +105,8 @@ class EngineNode(Node):
                             f"{cfg.action_dim}")
         if problems:
             raise ParameterError("\n".join(problems))
-        engine_cfg = EngineConfig(
-            policy=p["policy"], action_rate_hz=p["action_rate_hz"], decode_budget=p["decode_budget"],
-            tokens_per_frame=p["tokens_per_frame"], min_tokens_per_frame=p["min_tokens_per_frame"],
-            max_active_requests=p["max_active_requests"], max_queued_requests=p["max_queued_requests"],
-            max_tokens_limit=p["max_tokens_limit"], max_question_chars=p["max_question_chars"],
-            question_template=p["question_template"], memory_prompt=p["memory_prompt"],
-            memory_every_frames=p["memory_every_frames"], memory_period_s=p["memory_period_s"],
-            memory_max_tokens=p["memory_max_tokens"], memory_log_size=p["memory_log_size"],
-            subtask=p["subtask"], subtask_max_tokens=p["subtask_max_tokens"],
-            max_consecutive_faults=p["max_consecutive_faults"], seed=p["seed"],
-            cuda_graphs={"auto": None, "on": True, "off": False}[p["cuda_graphs"]])
+        engine_cfg = EngineConfig(**{q.name: p[q.name] for q in ENGINE_PARAMS},
+                                  cuda_graphs={"auto": None, "on": True, "off": False}[p["cuda_graphs"]])
         try:
             engine_cfg.validate()
             engine = build_engine(
@@ -148,9 +120,9 @@ class EngineNode(Node):
             raise ParameterError(str(e)) from None
         source = p["checkpoint"] or "random weights (no checkpoint)"
         self.get_logger().info(f"engine ready: {p['model']} from {source} on {device}, policy {p['policy']}, "
-                               f"{engine.runner.pool.num_blocks} KV blocks of {p['block_size']} tokens, "
-                               f"attention {engine.runner.backend}, CUDA graphs "
-                               f"{'on' if engine.runner.graphs is not None else 'off'}")
+                               f"{engine.info.kv_blocks} KV blocks of {engine.info.block_size} tokens, "
+                               f"attention {engine.info.attention_backend}, CUDA graphs "
+                               f"{'on' if engine.info.cuda_graphs else 'off'}")
         if engine.stats.counter("graph_capture_failures"):
             self.get_logger().warning(engine.stats.last_error)
         return engine
@@ -173,13 +145,13 @@ class EngineNode(Node):
             level, message = DiagnosticStatus.ERROR, f"safe stop: {self.engine.faulted}"
         elif s["frames"] == 0:
             level, message = DiagnosticStatus.WARN, "no frame processed yet"
-        elif s["frame_ms_mean"] > 1e3 * self.engine.frame_period:
+        elif s["frame_ms_mean"] > 1e3 * self.engine.info.frame_period_s:
             level, message = DiagnosticStatus.WARN, "frames slower than the action horizon lasts"
         values = {k: s[k] for k in ("frames", "frame_ms_mean", "frame_ms_p99", "prefill_ms_mean", "action_ms_mean",
                                     "action_hz", "tokens_per_s", "avg_batch", "deadline_misses", "dropped_frames",
                                     "faults", "active_requests", "queued_requests", "pool_blocks_used",
                                     "pool_blocks_total", "pool_occupancy", "graph_replays", "graph_fallbacks")}
-        values["cuda_graphs"] = self.engine.runner.graphs is not None
+        values["cuda_graphs"] = self.engine.info.cuda_graphs
         values["last_error"] = s["last_error"]
         return [status("oxygen_ros: engine", level, message, values)]
 

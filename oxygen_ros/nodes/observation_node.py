@@ -57,7 +57,7 @@ class ObservationNode(Node):
     def __init__(self, engine: Engine, **node_kwargs):
         super().__init__("oxygen_observation", **node_kwargs)
         self.engine = engine
-        self.slots = list(engine.runner.cfg.camera_slots)
+        self.slots = list(engine.info.camera_slots)
         self.p, problems = declare_all(self, params_for(self.slots))
         topics = {s: self.p[f"cameras.{s}.topic"] for s in self.slots if self.p[f"cameras.{s}.topic"]}
         required = [s for s in self.slots if self.p[f"cameras.{s}.required"]]

@@ -28,7 +28,7 @@ def rss_mb() -> float:
 
 def run(seconds: float, preset: str = "tiny", camera_hz: float = 15.0, request_hz: float = 4.0,
         max_tokens: int = 12, policy: str = "oxygen", seed: int = 0) -> dict:
-    from oxygen_ros.engine.engine import EngineConfig
+    from oxygen_ros.engine.config import EngineConfig
     from oxygen_ros.engine.factory import build_engine
     from oxygen_ros.engine.requests import TextRequest
     from oxygen_ros.robot.sync import Observation
@@ -103,8 +103,8 @@ def run(seconds: float, preset: str = "tiny", camera_hz: float = 15.0, request_h
         **tally,
         "unanswered": len(in_flight),
         "failure_reasons": sorted(reasons),
-        "pool_blocks_used_at_end": engine.runner.pool.allocator.num_used,
-        "pool_peak_blocks": engine.runner.pool.allocator.peak_used,
+        "pool_blocks_used_at_end": engine.stats.snapshot()["pool_blocks_used"],
+        "pool_peak_blocks": engine.stats.snapshot()["pool_peak_blocks"],
         "rss_mb_after_warmup": samples[q][1] if len(samples) > q else samples[-1][1],
         "rss_mb_end": samples[-1][1],
         # frame time over the stats window at the end of the first and of the last quarter: drift shows here
