@@ -120,7 +120,7 @@ class Pool:
         self.v = (torch.randn(n, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)).to(DTYPE).to(DEVICE)
 
     def segment(self, length: int):
-        from oxygen_ros.model.attention import Segment
+        from oxygen_ros.kernels.meta import Segment
 
         n = max(1, -(-length // BLOCK_SIZE))
         blocks = tuple(self.order[self.next:self.next + n])
@@ -191,7 +191,7 @@ def _errs(out, **refs) -> dict:
 
 def bench_attention(results, reps, quick, sweep=False):
     from oxygen_ros.kernels import ops, triton_attention as ta
-    from oxygen_ros.model.attention import CachedRow
+    from oxygen_ros.kernels.meta import CachedRow
 
     gen = torch.Generator().manual_seed(0)
 

@@ -15,10 +15,11 @@ Scores are scaled by head_dim ** -0.5, softmax in float32; query head h uses kv 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from .meta import ActionMeta, CachedMeta
 
 BACKENDS = ("torch", "triton")
 
@@ -32,84 +33,6 @@ def default_backend(device: torch.device) -> str:
             raise ValueError(f"OXYGEN_ATTENTION must be one of {BACKENDS}, got {forced!r}")
         return forced
     return "triton" if device.type == "cuda" else "torch"
-
-
-def _slots(blocks, block_size: int, start: int, end: int, device) -> slice | torch.Tensor:
-    """Flat pool slots of tokens start..end-1 of a segment: a slice (zero-copy view) when they are
-    consecutive in the pool, else an index tensor."""
-    slots = [blocks[j // block_size] * block_size + j % block_size for j in range(start, end)]
-    if slots and slots == list(range(slots[0], slots[0] + len(slots))):
-        return slice(slots[0], slots[-1] + 1)
-    return torch.tensor(slots, dtype=torch.long, device=device)
-
-
-def _table(segments, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max([len(s.blocks) for s in segments if s is not None] + [1])
-    table = torch.zeros(len(segments), width, dtype=torch.int32)
-    lens = torch.zeros(len(segments), dtype=torch.int32)
-    for r, s in enumerate(segments):
-        if s is not None:
-            table[r, :len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
-            lens[r] = s.length
-    return table.to(device), lens.to(device)
-
-
-@dataclass
-class CachedMeta:
-    """Per-forward metadata of a cached batch, built once and shared by all layers."""
-
-    cu: list[int]
-    n_new: list[int]
-    own_before: list[int]
-    bidir: list[int]
-    write_slots: torch.Tensor                         # [T] flat pool slot of each new token
-    own_index: list                                   # per row: slots of the own segment (slice or tensor)
-    prefix_key: list                                  # per row: key into prefix_index, or None
-    prefix_index: dict                                # segment -> its slots (shared by rows of a frame)
-    tensors: dict = field(default_factory=dict)       # Triton's view: tables and lengths on the device
-
-    @classmethod
-    def build(cls, rows, block_size: int, device, with_tensors: bool = False) -> "CachedMeta":
-        cu = [0]
-        for r in rows:
-            cu.append(cu[-1] + r.n_new)
-        write = []
-        for r in rows:
-            write += [r.own.blocks[j // block_size] * block_size + j % block_size
-                      for j in range(r.own_before, r.own.length)]
-        prefix_index = {}
-        for r in rows:
-            if r.prefix is not None and r.prefix not in prefix_index:
-                prefix_index[r.prefix] = _slots(r.prefix.blocks, block_size, 0, r.prefix.length, device)
-        meta = cls(
-            cu=cu, n_new=[r.n_new for r in rows], own_before=[r.own_before for r in rows],
-            bidir=[r.bidir for r in rows],
-            write_slots=torch.tensor(write, dtype=torch.long, device=device),
-            own_index=[_slots(r.own.blocks, block_size, 0, r.own.length, device) for r in rows],
-            prefix_key=[r.prefix for r in rows], prefix_index=prefix_index)
-        if with_tensors:
-            prefix_table, prefix_lens = _table([r.prefix for r in rows], device)
-            own_table, own_lens = _table([r.own for r in rows], device)
-            meta.tensors = dict(
-                cu_q=torch.tensor(cu, dtype=torch.int32, device=device),
-                prefix_table=prefix_table, prefix_lens=prefix_lens, own_table=own_table, own_lens=own_lens,
-                bidir=torch.tensor(meta.bidir, dtype=torch.int32, device=device),
-                max_new=max(meta.n_new))
-        return meta
-
-
-@dataclass
-class ActionMeta:
-    prefix_index: list                                # per row: slots of its frame prefix
-    tensors: dict = field(default_factory=dict)
-
-    @classmethod
-    def build(cls, prefixes, block_size: int, device, with_tensors: bool = False) -> "ActionMeta":
-        meta = cls(prefix_index=[_slots(p.blocks, block_size, 0, p.length, device) for p in prefixes])
-        if with_tensors:
-            table, lens = _table(prefixes, device)
-            meta.tensors = dict(prefix_table=table, prefix_lens=lens)
-        return meta
 
 
 def _attend_segments(q: torch.Tensor, segments: list) -> torch.Tensor:

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import ActionMeta, CachedMeta
+from .meta import ActionMeta, CachedMeta
 
 _LOG2E = 1.4426950408889634
 # Split-KV: at least this many keys per split (below that the merge costs more than the parallelism gains).

@@ -115,7 +115,7 @@ def test_pool_exhaustion_is_back_pressure_not_a_crash(engine_factory, obs):
 def test_attention_reads_the_right_slots_from_scattered_blocks():
     """Blocks handed out out of order (normal once blocks are freed) must be gathered, not sliced: a
     segment over blocks (3, 9, 5) spans slots 48..90 without being the run 48..90."""
-    from oxygen_ros.kernels.ops import _slots
+    from oxygen_ros.kernels.meta import _slots
 
     idx = _slots((3, 9, 5), 16, 0, 43, "cpu")
     expected = list(range(48, 64)) + list(range(144, 160)) + list(range(80, 91))

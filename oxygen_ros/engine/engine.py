@@ -355,7 +355,12 @@ class Engine:
             self.stats.count("prompts_truncated")
         self._latest_chunk = chunk
         self._notify(self._chunk_listeners, chunk)
-        self._maybe_caption(index, report.start)
+        try:
+            self._maybe_caption(index, report.start)
+        except Exception as e:  # noqa: BLE001 - a caption is optional; the frame and its chunk are not
+            self.stats.count("captions_failed")
+            self.stats.note_error(f"frame {index}: caption not requested: {e}")
+            log.exception("caption request failed")
         return frame
 
     def _with_subtask(self, prepared: PreparedFrame, task: str, index: int) -> PreparedFrame:

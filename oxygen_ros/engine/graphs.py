@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from oxygen_ros.kernels.ops import ActionMeta, CachedMeta
+from oxygen_ros.kernels.meta import ActionMeta, CachedMeta, token_slots
 from oxygen_ros.model.attention import ActionAttention, CachedAttention, CachedRow, Segment
 from oxygen_ros.model.pi05 import Pi05
 
@@ -121,7 +121,7 @@ class DecodeStep:
             prefix_len = row.prefix.length if row.prefix is not None else 0
             longs[0, r] = tokens[r]
             longs[1, r] = prefix_len + j
-            longs[2, r] = row.own.blocks[j // bs] * bs + j % bs
+            longs[2, r] = token_slots(row.own.blocks, bs, j, j + 1)[0]
             olens[r] = row.own.length
             otable[r, :len(row.own.blocks)] = torch.tensor(row.own.blocks, dtype=torch.int32)
             if row.prefix is not None:

@@ -92,10 +92,11 @@ class Scheduler:
             self.stats.count("refused_invalid")
             return refused(request, str(e), now)
         need = self.own_blocks(len(question), request.max_tokens)
-        if need + self.request_prefix_blocks + self.reserve_blocks > self.blocks.num_blocks:
+        # Admission happens while the current frame holds its prefix and must leave the next one's free.
+        if need + self.request_prefix_blocks + 2 * self.reserve_blocks > self.blocks.num_blocks:
             self.stats.count("refused_invalid")
-            return refused(request, f"can never fit: needs {need} KV blocks beside the {self.reserve_blocks} kept "
-                                    f"for frames, the pool has {self.blocks.num_blocks}", now)
+            return refused(request, f"can never fit: needs {need} KV blocks beside 2 x {self.reserve_blocks} for "
+                                    f"frames, the pool has {self.blocks.num_blocks}", now)
         handle = RequestHandle(request, now)
         seq = Sequence(handle, question, None, (), math.nan,
                        torch.Generator().manual_seed(request.sampling.seed) if request.sampling.temperature > 0

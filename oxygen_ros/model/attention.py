@@ -18,19 +18,10 @@ per-forward metadata and picks the implementation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from oxygen_ros.kernels import ops as kernel_ops
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Tokens 0..length-1 of a sequence stored in pool blocks, in order (block_size tokens per block)."""
-
-    blocks: tuple[int, ...]
-    length: int
+from oxygen_ros.kernels.meta import CachedRow, Segment  # noqa: F401 - the model's names for them
 
 
 class PagedKV:
@@ -49,20 +40,6 @@ class PagedKV:
     @property
     def bytes_per_block(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
-
-
-@dataclass(frozen=True)
-class CachedRow:
-    """One row of a `CachedAttention` batch: n_new tokens appended to `own` after `own_before` tokens."""
-
-    n_new: int
-    own: Segment          # blocks that hold (or will hold) own_before + n_new tokens; length = that total
-    prefix: Segment | None = None
-    bidir: int = 0        # the first `bidir` new tokens attend to each other bidirectionally
-
-    @property
-    def own_before(self) -> int:
-        return self.own.length - self.n_new
 
 
 class CachedAttention:

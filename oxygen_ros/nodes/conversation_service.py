@@ -122,11 +122,11 @@ class ConversationService(Node):
         self.counts["requests"] += 1
         try:
             request = self._text_request(r)
-        except ValueError as e:  # an empty or invalid question, top_p out of range...
+        except ValueError as e:  # an empty or invalid question, top_p out of range, a too long session id...
             return refused(TextRequest(r.text), str(e))
         handle = self.engine.submit(request)
         if r.session_id:
-            question = r.text.strip()
+            question = validate_text(r.text, what="question", max_chars=self.engine.info.max_question_chars)
             handle.add_done_callback(
                 lambda reply: reply.success and self.sessions.record(r.session_id, question, reply.text))
         return handle

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from oxygen_ros.kernels.meta import token_slots
 from oxygen_ros.model import inference
 from oxygen_ros.model.checkpoint import load_pi05
 from oxygen_ros.model.config import from_oracle_json
@@ -77,7 +78,7 @@ def run_case(case_dir: str | Path, backend: str | None = None) -> dict[str, np.n
             padded = np.zeros((batch, kvh, padded_len, hd), dtype=np.float32)
             flat = store[layer].reshape(-1, kvh, hd)
             for b, seg in enumerate(pre.segments):
-                slots_idx = [seg.blocks[j // bs] * bs + j % bs for j in range(seg.length)]
+                slots_idx = token_slots(seg.blocks, bs, 0, seg.length)
                 padded[b][:, np.nonzero(pad_masks[b])[0]] = flat[slots_idx].permute(1, 0, 2).numpy()
             out[f"prefix_kv_{name}_{layer}"] = padded
 
