@@ -71,6 +71,25 @@ def test_deadline_budget_fills_the_frame_period_and_no_more(engine_factory, obs)
     engine.run_cycle(None)
 
 
+def test_the_deadline_budget_predicts_each_step_at_its_batch_size(engine_factory, obs):
+    """A step of 20 rows costs 0.05 s, one of 1 row 0.012 s: predicting a big batch's step from the batch-1
+    time would start a step the deadline cannot hold."""
+    clock = SimClock()
+    engine = engine_factory(clock=clock, policy="oxygen", decode_budget="deadline", action_rate_hz=25.0,
+                            min_tokens_per_frame=1, ignore_eos=True)
+    simulate_costs(engine, clock)
+    handles = [engine.submit(TextRequest("what is on the table?", max_tokens=200))]
+    engine.run_cycle(obs(0))                                          # learns the batch-1 step time
+    handles += [engine.submit(TextRequest("what is on the table?", max_tokens=200)) for _ in range(19)]
+    report = engine.run_cycle(obs(1))      # 0.04 + 0.03 + question prefill 0.048 + one step of 20: 0.168 s
+    assert report.batch_sizes == [20] and not report.deadline_missed, report
+    report = engine.run_cycle(obs(2))      # 0.07 s of frame, then 0.13 s hold two steps of 0.05 s
+    assert report.batch_sizes == [20, 20] and not report.deadline_missed, report
+    for h in handles:
+        h.cancel()
+    engine.run_cycle(None)
+
+
 def test_minimum_progress_when_the_frame_is_already_late(engine_factory, obs):
     clock = SimClock()
     engine = engine_factory(clock=clock, policy="oxygen", decode_budget="deadline", action_rate_hz=100.0,
