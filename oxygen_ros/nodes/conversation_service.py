@@ -2,8 +2,13 @@
 
 Requests go to the engine in-process and attach to the newest frame's KV handle: no KV and no image
 crosses DDS for language. The service never holds an executor thread while a reply is decoded (that
-would cap the decode batch at the thread count): its callback returns a deferred response, and the
-reply is sent when the engine finishes (rclpy has no deferred-response API; see _DeferredResponse).
+would cap the decode batch at the thread count): its callback returns a deferred response. The engine
+thread only enqueues each finished reply and triggers a guard condition; the response is built, logged,
+recorded in its session and sent on the services executor (`_send_replies`), like the captions (queue +
+timer). rclpy gives a service callback no header, so the deferred response captures it when the executor
+sends the callback's return value (`_DeferredService`). Coroutine callbacks were tried and measured: rclpy
+9.1.2 resumes every pending service task on every executor wake-up, so with 300 calls pending the process
+spent 55% of a core polling while idle and took only 227 of the 300 calls within 60 s.
 Its request queue is deep on purpose: with the default depth (keep last 10) a burst of 200 calls from
 one client lost 180 of them silently in the middleware; every request that reaches the package gets a
 reply or an error.
@@ -45,8 +50,8 @@ PARAMS = [
 
 
 class _DeferredResponse:
-    """A service response sent once both the engine's reply and the request's header are known, from
-    whichever thread provides the second."""
+    """A service response sent once both the reply and the request's header are known, from whichever
+    thread provides the second (both are services-executor threads)."""
 
     def __init__(self, send):
         self._send = send
@@ -67,6 +72,18 @@ class _DeferredResponse:
             header = self._header
         if header is not None:
             self._send(response, header)
+
+
+class _DeferredService:
+    """The one hook into rclpy: the executor sends a callback's return value with
+    `service.send_response(value, header)`; for a _DeferredResponse that call binds the header instead."""
+
+    def __init__(self, service):
+        self.service = service
+        send = service.send_response
+        self.send = send
+        service.send_response = lambda response, header: (
+            response.bind(header) if isinstance(response, _DeferredResponse) else send(response, header))
 
 
 class ConversationService(Node):
@@ -90,14 +107,12 @@ class ConversationService(Node):
 
         qos = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=self.p["request_queue_depth"],
                          reliability=ReliabilityPolicy.RELIABLE)
-        self.service = self.create_service(Converse, self.p["service_name"], self._on_request, qos_profile=qos,
-                                           callback_group=MutuallyExclusiveCallbackGroup())
-        send = self.service.send_response
-        # The executor calls service.send_response(callback's return, header): a deferred response
-        # captures the header instead and sends later with the real response.
-        self.service.send_response = lambda response, header: (
-            response.bind(header) if isinstance(response, _DeferredResponse) else send(response, header))
-        self._send_response = send
+        self.service = _DeferredService(self.create_service(Converse, self.p["service_name"], self._on_request,
+                                                            qos_profile=qos,
+                                                            callback_group=MutuallyExclusiveCallbackGroup()))
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()     # (deferred, session, question, reply)
+        self._reply_ready = self.create_guard_condition(self._send_replies,
+                                                        callback_group=MutuallyExclusiveCallbackGroup())
 
         self.action_server = ActionServer(
             self, ConverseAction, self.p["action_name"], execute_callback=self._execute_stream,
@@ -124,12 +139,13 @@ class ConversationService(Node):
             request = self._text_request(r)
         except ValueError as e:  # an empty or invalid question, top_p out of range, a too long session id...
             return refused(TextRequest(r.text), str(e))
-        handle = self.engine.submit(request)
-        if r.session_id:
+        return self.engine.submit(request)
+
+    def _record(self, r, reply: Reply) -> None:
+        """Keep a successful turn in its session: the cleaned question, not the raw request text."""
+        if r.session_id and reply.success:
             question = validate_text(r.text, what="question", max_chars=self.engine.info.max_question_chars)
-            handle.add_done_callback(
-                lambda reply: reply.success and self.sessions.record(r.session_id, question, reply.text))
-        return handle
+            self.sessions.record(r.session_id, question, reply.text)
 
     def _fill(self, target, reply: Reply):
         target.success, target.reply, target.error = reply.success, reply.text, reply.error
@@ -145,10 +161,25 @@ class ConversationService(Node):
 
     # ------------------------------------------------------------------ service
     def _on_request(self, request, response):
-        deferred = _DeferredResponse(self._send_response)
+        deferred = _DeferredResponse(self.service.send)
         handle = self._submit(request)
-        handle.add_done_callback(lambda reply: deferred.complete(self._fill(self._Converse.Response(), reply)))
+        handle.add_done_callback(lambda reply: self._queue_reply(deferred, request, reply))
         return deferred
+
+    def _queue_reply(self, deferred: _DeferredResponse, request, reply: Reply) -> None:
+        """Engine thread (a done-callback): hand the reply to the services executor, nothing more."""
+        self._replies.put((deferred, request, reply))
+        self._reply_ready.trigger()
+
+    def _send_replies(self) -> None:
+        """Services executor: build, log, record and send every reply the engine finished."""
+        while True:
+            try:
+                deferred, request, reply = self._replies.get_nowait()
+            except queue.Empty:
+                return
+            self._record(request, reply)
+            deferred.complete(self._fill(self._Converse.Response(), reply))
 
     # ------------------------------------------------------------------ streaming action
     def _on_goal(self, goal) -> GoalResponse:
@@ -189,6 +220,7 @@ class ConversationService(Node):
             with self._streams_lock:
                 self._streams.pop(key, None)
                 self._stream_slots -= 1
+        self._record(goal_handle.request, reply)
         result = self._fill(self._ConverseAction.Result(), reply)
         if reply.finish_reason == "cancelled" and goal_handle.is_cancel_requested:
             goal_handle.canceled()
