@@ -42,7 +42,7 @@ Launch plans (tiles, grid, split factor, split workspace) are computed once per 
 cached in meta.tensors, so a forward's 18 layers (or a frame's 10 denoise steps) pay the Python once. The
 split workspace is shared by the calls of one meta: calls on one stream only (as the model makes them).
 
-`cascade`: not implemented (see `cached_attention`).
+Cascade attention (a shared prefix read once for several rows) is not implemented: see `cached_attention`.
 """
 from __future__ import annotations
 
@@ -371,20 +371,17 @@ def _check_no_cross_row_reads(meta: CachedMeta):
                              "reads prefixes before they are stored (use the torch backend or split the batch)")
 
 
-def cached_attention(q, k, v, k_cache, v_cache, meta: CachedMeta, *, num_splits: int | None = None,
-                     cascade: bool = False) -> torch.Tensor:
+def cached_attention(q, k, v, k_cache, v_cache, meta: CachedMeta, *, num_splits: int | None = None) -> torch.Tensor:
     """Store k/v at meta.write_slots and attend (ops.torch_cached_attention's semantics), fused.
 
     q [T, heads, hd], k/v [T, kv_heads, hd], k_cache/v_cache [num_blocks, block_size, kv_heads, hd] (one
     layer, modified in place). num_splits forces the split-KV factor (default: OXYGEN_TRITON_SPLITS, else a
-    heuristic on CUDA, 1 on the CPU). cascade (a shared prefix read once for several rows) is not
+    heuristic on CUDA, 1 on the CPU). Cascade attention (a shared prefix read once for several rows) is not
     implemented: with GQA packing every prefix tile already serves all query heads of a row; the rows of
     one frame re-read an 800-token π0.5 prefix (0.8 MB per layer in bf16) from L2; and under continuous
     batching the rows rarely share a frame at all — at the paper's workload (one request per frame, replies
     spanning ~6 frames) every active request is attached to a different frame, so there is no group to
     read once. Only a burst of questions about one frame would form one; measure before adding it."""
-    if cascade:
-        raise NotImplementedError("cascade attention is not implemented")
     t = meta.tensors
     if not t:
         raise ValueError("CachedMeta was built without with_tensors=True (the Triton view)")
@@ -400,12 +397,9 @@ def cached_attention(q, k, v, k_cache, v_cache, meta: CachedMeta, *, num_splits:
                    bidir=t["bidir"], action=False)
 
 
-def action_attention(q, k, v, k_cache, v_cache, meta: ActionMeta, *, num_splits: int | None = None,
-                     cascade: bool = False) -> torch.Tensor:
+def action_attention(q, k, v, k_cache, v_cache, meta: ActionMeta, *, num_splits: int | None = None) -> torch.Tensor:
     """ops.torch_action_attention's semantics: q [R*H, heads, hd], k/v [R*H, kv_heads, hd] (not stored);
     each row's H queries see the row's prefix (meta.tensors prefix_table/prefix_lens) and all H action keys."""
-    if cascade:
-        raise NotImplementedError("cascade attention is not implemented")
     t = meta.tensors
     if not t:
         raise ValueError("ActionMeta was built without with_tensors=True (the Triton view)")

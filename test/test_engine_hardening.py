@@ -4,7 +4,6 @@ The pool is checked empty through the public stats (what a node sees)."""
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from conftest import SimClock, make_observation
@@ -339,10 +338,11 @@ def test_engine_config_lists_every_bad_value_nan_included(engine_factory):
 
 def test_bad_request_objects_are_refused_not_raised(engine_factory):
     engine = engine_factory()
-    for bad, message in ((TextRequest(b"\xff\xfe"), "not valid UTF-8"), (TextRequest("hi", max_tokens=2.5), "max_tokens"),
-                         (TextRequest("hi", max_tokens=True), "max_tokens"), (TextRequest("hi", kind="subtask"), "kind"),
-                         (TextRequest("hi", stop="abc"), "stop strings"), (TextRequest("hi", stop=(3,)), "stop strings"),
-                         ("hi", "must be a TextRequest")):
+    cases = ((TextRequest(b"\xff\xfe"), "not valid UTF-8"), (TextRequest("hi", max_tokens=2.5), "max_tokens"),
+             (TextRequest("hi", max_tokens=True), "max_tokens"), (TextRequest("hi", kind="subtask"), "kind"),
+             (TextRequest("hi", stop="abc"), "stop strings"), (TextRequest("hi", stop=(3,)), "stop strings"),
+             ("hi", "must be a TextRequest"))
+    for bad, message in cases:
         r = engine.submit(bad).result(0)
         assert r.finish_reason == "refused" and message in r.error, (bad, r.error)
     assert engine.queued_requests == 0 and engine.stats.counter("refused_invalid") == 7

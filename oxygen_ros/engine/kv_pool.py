@@ -1,9 +1,10 @@
 """The KV pool: preallocated paged K/V storage, its block manager, and frame handles.
 
 `BlockManager` (block_manager.py) knows nothing about models: it hands out block ids and counts
-references. `KVPool` pairs it with the storage tensors (`PagedKV`) sized from a memory budget. A `FrameCache` is the handle to one
-camera frame's prefix: the action task and every language request of that frame hold a reference to the
-same blocks (no copy); the blocks return to the pool when the last reference is dropped.
+references. `KVPool` pairs it with the storage tensors (`PagedKV`) sized from a memory budget. A
+`FrameCache` is the handle to one camera frame's prefix: the action task and every language request of
+that frame hold a reference to the same blocks (no copy); the blocks return to the pool when the last
+reference is dropped.
 """
 from __future__ import annotations
 
