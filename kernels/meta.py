@@ -70,7 +70,24 @@ class CachedMeta:
     own_index: list                                   # per row: slots of the own segment (slice or tensor)
     prefix_key: list                                  # per row: key into prefix_index, or None
     prefix_index: dict                                # segment -> its slots (shared by rows of a frame)
+    max_ctx: int = 0                                  # longest context of a row (prefix + own): plans split-KV
     tensors: dict = field(default_factory=dict)       # Triton's view: tables and lengths on the device
+
+    @classmethod
+    def decode_buffers(cls, bucket: int, write_slots: torch.Tensor, prefix_table: torch.Tensor,
+                       prefix_lens: torch.Tensor, own_table: torch.Tensor, own_lens: torch.Tensor,
+                       max_ctx: int) -> "CachedMeta":
+        """A decode step of `bucket` rows (one new token each) whose slots, tables and lengths live in
+        device buffers the caller refills before every call (CUDA graphs, engine/graphs.py). Only the
+        Triton kernels read metadata from tensors, so the torch path's per-row slot lists stay empty."""
+        dev = write_slots.device
+        return cls(cu=list(range(bucket + 1)), n_new=[1] * bucket, own_before=[0] * bucket, bidir=[0] * bucket,
+                   write_slots=write_slots, own_index=[], prefix_key=[None] * bucket, prefix_index={},
+                   max_ctx=max_ctx,
+                   tensors=dict(cu_q=torch.arange(bucket + 1, dtype=torch.int32, device=dev),
+                                prefix_table=prefix_table, prefix_lens=prefix_lens, own_table=own_table,
+                                own_lens=own_lens, bidir=torch.zeros(bucket, dtype=torch.int32, device=dev),
+                                max_new=1))
 
     @classmethod
     def build(cls, rows, block_size: int, device, with_tensors: bool = False) -> "CachedMeta":
@@ -89,7 +106,8 @@ class CachedMeta:
             bidir=[r.bidir for r in rows],
             write_slots=torch.tensor(write, dtype=torch.long, device=device),
             own_index=[_slots(r.own.blocks, block_size, 0, r.own.length, device) for r in rows],
-            prefix_key=[r.prefix for r in rows], prefix_index=prefix_index)
+            prefix_key=[r.prefix for r in rows], prefix_index=prefix_index,
+            max_ctx=max((r.prefix.length if r.prefix is not None else 0) + r.own.length for r in rows))
         if with_tensors:
             prefix_table, prefix_lens = _table([r.prefix for r in rows], device)
             own_table, own_lens = _table([r.own for r in rows], device)
@@ -104,11 +122,20 @@ class CachedMeta:
 @dataclass
 class ActionMeta:
     prefix_index: list                                # per row: slots of its frame prefix
+    max_prefix: int = 0                               # longest prefix of a row: plans split-KV
     tensors: dict = field(default_factory=dict)
 
     @classmethod
+    def prefix_buffers(cls, prefix_table: torch.Tensor, prefix_lens: torch.Tensor, max_prefix: int) -> "ActionMeta":
+        """One row over a prefix whose table and length live in device buffers refilled before every call
+        (CUDA graphs; Triton only, see CachedMeta.decode_buffers)."""
+        return cls(prefix_index=[None], max_prefix=max_prefix,
+                   tensors=dict(prefix_lens=prefix_lens, prefix_table=prefix_table))
+
+    @classmethod
     def build(cls, prefixes, block_size: int, device, with_tensors: bool = False) -> "ActionMeta":
-        meta = cls(prefix_index=[_slots(p.blocks, block_size, 0, p.length, device) for p in prefixes])
+        meta = cls(prefix_index=[_slots(p.blocks, block_size, 0, p.length, device) for p in prefixes],
+                   max_prefix=max(p.length for p in prefixes))
         if with_tensors:
             table, lens = _table(prefixes, device)
             meta.tensors = dict(prefix_table=table, prefix_lens=lens)

@@ -356,10 +356,6 @@ def _launch(q, k, v, k_cache, v_cache, plan: dict, *, rows: int, slots, cu, ptab
     return out
 
 
-def _slots_len(idx) -> int:
-    return idx.stop - idx.start if isinstance(idx, slice) else int(idx.numel())
-
-
 def _check_no_cross_row_reads(meta: CachedMeta):
     """The fused store's precondition (checked on the CPU only: on CUDA it would synchronise)."""
     if meta.write_slots.device.type != "cpu" or not meta.prefix_index:
@@ -387,11 +383,7 @@ def cached_attention(q, k, v, k_cache, v_cache, meta: CachedMeta, *, num_splits:
         raise ValueError("CachedMeta was built without with_tensors=True (the Triton view)")
     _check_no_cross_row_reads(meta)
     rows = len(meta.n_new)
-    max_ctx = t.get("_triton_max_ctx")
-    if max_ctx is None:
-        max_ctx = t["_triton_max_ctx"] = max(
-            (p.length if p is not None else 0) + b + n for p, b, n in zip(meta.prefix_key, meta.own_before, meta.n_new))
-    plan = _plan(t, q, k.dtype, k_cache.dtype, k_cache.shape[2], meta.n_new, max_ctx, num_splits)
+    plan = _plan(t, q, k.dtype, k_cache.dtype, k_cache.shape[2], meta.n_new, meta.max_ctx, num_splits)
     return _launch(q, k, v, k_cache, v_cache, plan, rows=rows, slots=meta.write_slots, cu=t["cu_q"],
                    ptable=t["prefix_table"], plens=t["prefix_lens"], otable=t["own_table"], olens=t["own_lens"],
                    bidir=t["bidir"], action=False)
@@ -407,9 +399,7 @@ def action_attention(q, k, v, k_cache, v_cache, meta: ActionMeta, *, num_splits:
     if rows == 0 or q.shape[0] % rows:
         raise ValueError(f"{q.shape[0]} action tokens do not split into {rows} rows")
     h = q.shape[0] // rows
-    max_ctx = t.get("_triton_max_prefix")
-    if max_ctx is None:
-        max_ctx = t["_triton_max_prefix"] = max(_slots_len(idx) for idx in meta.prefix_index)
+    max_ctx = meta.max_prefix
     plan = _plan(t, q, k.dtype, k_cache.dtype, k_cache.shape[2], [h] * rows, max_ctx + h, num_splits)
     plens = t["prefix_lens"]
     return _launch(q, k, v, k_cache, v_cache, plan, rows=rows, slots=plens, cu=plens, ptable=t["prefix_table"],

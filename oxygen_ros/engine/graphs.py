@@ -83,14 +83,9 @@ class DecodeStep:
         plens, olens = self.int[:b], self.int[b:2 * b]
         ptable = self.int[2 * b:2 * b + b * prefix_blocks].view(b, prefix_blocks)
         otable = self.int[2 * b + b * prefix_blocks:].view(b, own_blocks)
-        bs = pool.block_size
-        meta = CachedMeta(cu=list(range(b + 1)), n_new=[1] * b, own_before=[0] * b, bidir=[0] * b,
-                          write_slots=slots, own_index=[], prefix_key=[None] * b, prefix_index={})
-        meta.tensors = dict(cu_q=torch.arange(b + 1, dtype=torch.int32, device=dev), prefix_table=ptable,
-                            prefix_lens=plens, own_table=otable, own_lens=olens,
-                            bidir=torch.zeros(b, dtype=torch.int32, device=dev), max_new=1,
-                            # split-KV is planned once, for the longest context a row may have
-                            _triton_max_ctx=(prefix_blocks + own_blocks) * bs)
+        # split-KV is planned once, for the longest context a row may have
+        meta = CachedMeta.decode_buffers(b, slots, ptable, plens, otable, olens,
+                                         max_ctx=(prefix_blocks + own_blocks) * pool.block_size)
         self.tokens = tokens
         self.attn = CachedAttention.fixed(pool.kv, meta, positions,
                                           torch.arange(b, dtype=torch.long, device=dev), "triton")
@@ -146,9 +141,8 @@ class DenoiseLoop:
         self.noise = torch.zeros(1, cfg.action_horizon, cfg.action_dim, dtype=torch.float32, device=dev)
         self.int = torch.zeros(1 + prefix_blocks, dtype=torch.int32, device=dev)   # prefix len | table
         self.positions = torch.zeros(cfg.action_horizon, dtype=torch.long, device=dev)
-        meta = ActionMeta(prefix_index=[None])
-        meta.tensors = dict(prefix_lens=self.int[:1], prefix_table=self.int[1:].view(1, prefix_blocks),
-                            _triton_max_prefix=prefix_blocks * pool.block_size)
+        meta = ActionMeta.prefix_buffers(self.int[1:].view(1, prefix_blocks), self.int[:1],
+                                         max_prefix=prefix_blocks * pool.block_size)
         self.attn = ActionAttention.fixed(pool.kv, meta, self.positions,
                                           torch.zeros(cfg.action_horizon, dtype=torch.long, device=dev), "triton")
         self._fill(Segment((pool.scratch_block,), 1))
