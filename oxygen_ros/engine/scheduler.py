@@ -180,6 +180,9 @@ class Scheduler:
         for seq in candidates:
             if len(self.running) >= self.config.max_active_requests:
                 break
+            if seq.handle.cancelled:
+                self.finish(seq, "cancelled", "cancelled before admission")
+                continue
             need = self.own_blocks(len(seq.question), seq.request.max_tokens)
             if self.blocks.num_free - need - self.request_prefix_blocks < self.reserve_blocks:
                 waited = True                            # back-pressure: it stays queued

@@ -213,7 +213,7 @@ class ConversationService(Node):
                         self._ConverseAction.Feedback(partial_reply=partial.text, tokens=partial.tokens))
                     if goal_handle.is_cancel_requested:
                         handle.cancel()
-            except TimeoutError:
+            except (TimeoutError, ValueError):   # no progress in time, or a NaN timeout (partials cancels)
                 handle.cancel()
             reply = handle.result(timeout=10.0)
         finally:
