@@ -1,6 +1,7 @@
 """Faults, load and leaks at the engine level: injected exceptions and NaNs, a burst of 1,000 requests,
 memory that stays flat, and a short soak. (Across processes, with ROS: test_ros_reliability.py.)"""
 import numpy as np
+import pytest
 import torch
 
 from oxygen_ros.engine.requests import TextRequest
@@ -123,6 +124,7 @@ def test_repeated_faults_trip_a_safe_stop_until_reset(engine_factory, obs):
     assert engine.runner.pool.blocks.num_used == 0
 
 
+@pytest.mark.timing
 def test_a_burst_of_1000_requests_is_bounded_answered_or_refused_and_leaves_no_growth(engine_factory, obs):
     engine = engine_factory(policy="oxygen", decode_budget="fixed", tokens_per_frame=4, max_queued_requests=64,
                             max_active_requests=16)
@@ -149,6 +151,7 @@ def test_a_burst_of_1000_requests_is_bounded_answered_or_refused_and_leaves_no_g
     assert engine.stats.counter("refused_busy") == 2 * 936
 
 
+@pytest.mark.timing
 def test_short_soak_has_no_leak_and_answers_everything():
     from oxygen_ros.tools.soak import run
 
