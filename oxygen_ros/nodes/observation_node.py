@@ -67,11 +67,15 @@ class ObservationNode(Node):
         joint_names = [j for j in self.p["joint_names"] if j]
         if joint_names and self.p["state_dim"] and len(joint_names) != self.p["state_dim"]:
             problems.append(f"joint_names has {len(joint_names)} joints but state_dim is {self.p['state_dim']}")
+        max_state = engine.runner.cfg.action_dim  # π0.5 pads the state to action_dim: nothing longer fits
+        if max(len(joint_names), self.p["state_dim"]) > max_state:
+            problems.append(f"state of {max(len(joint_names), self.p['state_dim'])} values (joint_names/state_dim) "
+                            f"exceeds the model's {max_state}")
         if problems:
             raise ParameterError("\n".join(problems))
         self.assembler = ObservationAssembler(self.slots, required, self.p["slop_s"], self.p["missing_after_s"],
                                               self.p["buffer"])
-        self.reader = StateReader(joint_names or None, self.p["state_dim"] or None)
+        self.reader = StateReader(joint_names or None, self.p["state_dim"] or None, max_dim=max_state)
         if self.p["prompt"]:
             self.assembler.set_prompt(validate_text(self.p["prompt"], what="prompt",
                                                     max_chars=self.p["max_prompt_chars"]))
