@@ -49,6 +49,8 @@ def params_for(slots) -> list[Param]:
         Param("slop_s", 0.05, "Largest |image stamp - state stamp| that pairs them.", minimum=0.0),
         Param("missing_after_s", 0.5, "An optional camera silent this long is masked.", minimum=0.0),
         Param("buffer", 32, "Messages kept per stream for synchronisation.", minimum=1),
+        Param("image_buffer_mb", 256.0, "Most image memory kept per camera slot (the newest images that fit).",
+              minimum=1.0),
         Param("stale_after_s", 0.5, "No complete observation for this long: inputs are stale.", minimum=0.01),
     ]
 
@@ -74,7 +76,7 @@ class ObservationNode(Node):
         if problems:
             raise ParameterError("\n".join(problems))
         self.assembler = ObservationAssembler(self.slots, required, self.p["slop_s"], self.p["missing_after_s"],
-                                              self.p["buffer"])
+                                              self.p["buffer"], int(self.p["image_buffer_mb"] * (1 << 20)))
         self.reader = StateReader(joint_names or None, self.p["state_dim"] or None, max_dim=max_state)
         if self.p["prompt"]:
             self.assembler.set_prompt(validate_text(self.p["prompt"], what="prompt",
