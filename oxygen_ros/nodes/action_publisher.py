@@ -83,6 +83,9 @@ class ActionPublisher(Node):
         self.commands = 0
         self._hold_since: float | None = None
         self._stopped_sent = False
+        # One tick and a change of `enabled` never interleave: otherwise a tick that had already checked
+        # `enabled` published its command after set_enabled(False)'s final stop (shutdown race).
+        self._output_lock = threading.Lock()
 
         self.pub = self.create_publisher(OUTPUT_TYPES[p["output_type"]], p["action_topic"], 10)
         from oxygen_interfaces.msg import ActionChunk
@@ -108,13 +111,18 @@ class ActionPublisher(Node):
         return response
 
     def set_enabled(self, enabled: bool) -> None:
-        """Disabling takes effect at the next tick: no command is published after it."""
-        if self.enabled and not enabled:
-            self._send_stop(self._now())
-        self.enabled = enabled
+        """Disabling waits for a tick in progress, then sends the final stop: no command follows it."""
+        with self._output_lock:
+            if self.enabled and not enabled:
+                self._send_stop(self._now())
+            self.enabled = enabled
         self.get_logger().info("action output " + ("enabled" if enabled else "disabled"))
 
     def _tick(self) -> None:
+        with self._output_lock:
+            self._tick_locked()
+
+    def _tick_locked(self) -> None:
         now = self._now()
         self.rate.tick(now)
         with self._incoming_lock:

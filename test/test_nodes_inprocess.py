@@ -1,0 +1,297 @@
+"""The nodes in-process on a real rclpy context, driven tick by tick on a simulated clock (no timers spun,
+so nothing here depends on the machine's load): every output type, the safe behaviours (`on_stale`,
+`on_exhausted`, `hold_timeout_s`), the shutdown order, compressed cameras and conversation sessions."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from types import SimpleNamespace
+
+import cv2
+import numpy as np
+import pytest
+import rclpy
+from geometry_msgs.msg import PoseStamped, TwistStamped
+from rclpy.context import Context
+from rclpy.parameter import Parameter
+from sensor_msgs.msg import CompressedImage, Image, JointState
+from std_msgs.msg import Float64MultiArray
+from trajectory_msgs.msg import JointTrajectory
+
+from conftest import SimClock
+from oxygen_ros.robot.chunks import ActionChunkPlan
+
+DT = 1 / 70.0
+NAMES = [f"j{i}" for i in range(7)]
+
+
+@pytest.fixture
+def ros():
+    context = Context()
+    rclpy.init(context=context)
+    nodes = []
+
+    def add(node):
+        nodes.append(node)
+        return node
+
+    yield SimpleNamespace(context=context, add=add)
+    for node in nodes:
+        node.destroy_node()
+    rclpy.shutdown(context=context)
+
+
+@pytest.fixture
+def publisher(ros, engine_factory):
+    """make(inputs_fresh=..., **params) -> ActionPublisher on a simulated clock, its published messages
+    recorded (through the real rclpy publish, which checks the message type)."""
+    from oxygen_ros.nodes.action_publisher import ActionPublisher
+
+    def make(inputs_fresh=None, **params):
+        engine = engine_factory()
+        node = ros.add(ActionPublisher(engine, inputs_fresh=inputs_fresh, context=ros.context,
+                                       parameter_overrides=[Parameter(k, value=v) for k, v in params.items()]))
+        node.clock = SimClock(100.0)
+        node._now = node.clock
+        node.sent = []
+        publish = node.pub.publish
+        node.pub.publish = lambda msg: (node.sent.append(msg), publish(msg))
+        return node
+
+    return make
+
+
+def chunk(stamp_s: float, frame: int, horizon: int = 10, dim: int = 7, start: float = 0.0) -> SimpleNamespace:
+    """What the engine hands the publisher: row k = start + 0.01 * (k + 1) in every dimension."""
+    rows = start + 0.01 * np.arange(1, horizon + 1)[:, None] * np.ones((1, dim))
+    return SimpleNamespace(plan=ActionChunkPlan(rows, stamp_s, DT, frame), compute_s=0.01)
+
+
+def tick_at(node, t: float):
+    node.clock.t = t
+    before = len(node.sent)
+    node._tick()
+    return node.sent[before:]
+
+
+# ------------------------------------------------------------------------------------------ output types
+def test_float64_array_plays_the_row_for_now_latency_aligned(publisher):
+    node = publisher()
+    node._on_chunk(chunk(100.0, 1))
+    (msg,) = tick_at(node, 100.0 + 3.5 * DT)          # 3.5 rows after the observation: row 3
+    assert isinstance(msg, Float64MultiArray) and msg.data.tolist() == pytest.approx([0.04] * 7)
+    assert node.last_status == "ok"
+
+
+def test_a_tick_before_the_chunk_stamp_plays_row_0_and_sends_the_whole_trajectory(publisher):
+    # Clocks a hair apart: now is half a row before t0. The row for now is -1 (floor; int() would say 0 and
+    # the trajectory would lose its first row), played as row 0.
+    node = publisher()
+    node._on_chunk(chunk(100.0, 1))
+    (msg,) = tick_at(node, 100.0 - 0.5 * DT)
+    assert msg.data.tolist() == pytest.approx([0.01] * 7)
+    node = publisher(output_type="joint_trajectory", joint_names=NAMES, action_topic="/trajectory")
+    node._on_chunk(chunk(100.0, 1))
+    (msg,) = tick_at(node, 100.0 - 0.5 * DT)
+    assert len(msg.points) == 10 and msg.points[0].positions[0] == pytest.approx(0.01)
+    first = msg.points[0].time_from_start
+    assert first.sec + first.nanosec * 1e-9 == pytest.approx(0.5 * DT, abs=1e-6)
+
+
+def test_joint_state_output_names_every_joint(publisher):
+    node = publisher(output_type="joint_state", joint_names=NAMES)
+    node._on_chunk(chunk(100.0, 1))
+    (msg,) = tick_at(node, 100.0 + 2 * DT)
+    assert isinstance(msg, JointState) and list(msg.name) == NAMES
+    assert msg.position.tolist() == pytest.approx([0.03] * 7)
+    assert msg.header.stamp.sec == 100 and msg.header.stamp.nanosec == pytest.approx(2 * DT * 1e9, abs=10)
+
+
+def test_twist_output_and_one_zero_twist_when_stopping(publisher):
+    node = publisher(output_type="twist", frame_id="tool0")
+    node._on_chunk(chunk(100.0, 1, start=0.1))
+    (msg,) = tick_at(node, 100.0)
+    assert isinstance(msg, TwistStamped) and msg.header.frame_id == "tool0"
+    assert (msg.twist.linear.x, msg.twist.angular.z) == pytest.approx((0.11, 0.11))
+    node.set_enabled(False)
+    (stop,) = node.sent[-1:]
+    assert isinstance(stop, TwistStamped) and stop.twist.linear.x == 0 and stop.twist.angular.z == 0
+    assert tick_at(node, 100.0 + DT) == [] and node.last_status == "disabled"
+
+
+def test_pose_output_converts_the_rotation(publisher):
+    node = publisher(output_type="pose", rotation="euler_xyz")
+    rows = np.zeros((10, 7))
+    rows[:, :3] = [0.3, -0.2, 0.5]
+    rows[:, 5] = math.pi / 2                                          # yaw 90 degrees
+    node._on_chunk(SimpleNamespace(plan=ActionChunkPlan(rows, 100.0, DT, 1), compute_s=0.01))
+    (msg,) = tick_at(node, 100.0)
+    assert isinstance(msg, PoseStamped)
+    p, q = msg.pose.position, msg.pose.orientation
+    assert (p.x, p.y, p.z) == pytest.approx((0.3, -0.2, 0.5))
+    assert (q.x, q.y, q.z, q.w) == pytest.approx((0, 0, math.sqrt(0.5), math.sqrt(0.5)))
+
+
+def test_joint_trajectory_is_sent_once_per_chunk_and_stops_with_an_empty_one(publisher):
+    node = publisher(output_type="joint_trajectory", joint_names=NAMES)
+    node._on_chunk(chunk(100.0, 1))
+    (msg,) = tick_at(node, 100.0 + 2 * DT)
+    assert isinstance(msg, JointTrajectory) and list(msg.joint_names) == NAMES
+    assert [round(pt.positions[0], 6) for pt in msg.points] == pytest.approx([0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1])
+    assert tick_at(node, 100.0 + 3 * DT) == []                         # the controller plays the rest
+    node._on_chunk(chunk(100.1, 2))
+    (second,) = tick_at(node, 100.1)
+    assert second.points[0].positions[0] == pytest.approx(0.02)
+    node.set_enabled(False)
+    assert isinstance(node.sent[-1], JointTrajectory) and len(node.sent[-1].points) == 0
+
+
+# ------------------------------------------------------------------------------------------ safe behaviours
+def test_on_exhausted_stop_stops_past_the_last_row(publisher):
+    node = publisher(output_type="twist", on_exhausted="stop")
+    node._on_chunk(chunk(100.0, 1, horizon=3))
+    assert len(tick_at(node, 100.0 + 2 * DT)) == 1
+    (stop,) = tick_at(node, 100.0 + 3 * DT)
+    assert stop.twist.linear.x == 0 and node.last_status == "stopped"
+    assert tick_at(node, 100.0 + 4 * DT) == []
+
+
+def test_hold_then_hold_timeout_stops(publisher):
+    node = publisher(on_exhausted="hold", hold_timeout_s=0.5)
+    node._on_chunk(chunk(100.0, 1, horizon=3))
+    end = 100.0 + 3 * DT
+    for t in (end, end + 0.25, end + 0.5):
+        (msg,) = tick_at(node, t)
+        assert msg.data.tolist() == pytest.approx([0.03] * 7) and node.last_status == "hold"
+    assert tick_at(node, end + 0.51) == [] and node.last_status == "hold_timeout"
+    node._on_chunk(chunk(end + 0.5, 2, horizon=3))                   # a fresh chunk resumes at once
+    (msg,) = tick_at(node, end + 0.52)
+    assert msg.data.tolist() == pytest.approx([0.02] * 7) and node.last_status == "ok"
+
+
+@pytest.mark.parametrize("on_stale, published", [("stop", 0), ("hold", 1)])
+def test_on_stale(publisher, on_stale, published):
+    fresh = [True]
+    node = publisher(on_stale=on_stale, inputs_fresh=lambda: fresh[0])
+    node._on_chunk(chunk(100.0, 1))
+    assert len(tick_at(node, 100.0)) == 1
+    fresh[0] = False
+    assert len(tick_at(node, 100.0 + DT)) == published
+    assert node.last_status == ("stale_stop" if on_stale == "stop" else "ok")
+    fresh[0] = True
+    assert len(tick_at(node, 100.0 + 2 * DT)) == 1
+
+
+def test_no_command_follows_the_final_zero_twist(publisher):
+    # Shutdown race: the main thread disables output while the timer thread is inside a tick. Before the
+    # fix the tick (which had checked `enabled`) published its command after the zero twist: a velocity
+    # robot kept moving.
+    node = publisher(output_type="twist")
+    node._on_chunk(chunk(100.0, 1, start=0.1))
+    entered, release = threading.Event(), threading.Event()
+    next_row = node.follower.next
+
+    def slow_next(now):
+        entered.set()
+        release.wait(5)
+        return next_row(now)
+
+    node.follower.next = slow_next
+    ticker = threading.Thread(target=tick_at, args=(node, 100.0))
+    ticker.start()
+    assert entered.wait(5)
+    stopper = threading.Thread(target=node.set_enabled, args=(False,))
+    stopper.start()
+    time.sleep(0.2)
+    release.set()
+    ticker.join(5)
+    stopper.join(5)
+    node.follower.next = next_row
+    last = node.sent[-1]
+    assert isinstance(last, TwistStamped) and last.twist.linear.x == 0, "a command followed the zero twist"
+    assert tick_at(node, 100.0 + DT) == []
+
+
+# ------------------------------------------------------------------------------------------ inputs
+@pytest.fixture
+def observation(ros, engine_factory):
+    from oxygen_ros.nodes.observation_node import ObservationNode
+
+    def make(**params):
+        engine = engine_factory()
+        engine.observations = []
+        engine.submit_observation = lambda obs, noise=None: engine.observations.append(obs)
+        params = {"cameras.base_0_rgb.topic": "/cam", "cameras.base_0_rgb.compressed": True,
+                  "cameras.base_0_rgb.required": True, "missing_after_s": 0.0, **params}
+        return ros.add(ObservationNode(engine, context=ros.context,
+                                       parameter_overrides=[Parameter(k, value=v) for k, v in params.items()]))
+
+    return make
+
+
+def _stamped(msg, t: float):
+    msg.header.stamp.sec, msg.header.stamp.nanosec = int(t), int(round((t - int(t)) * 1e9))
+    return msg
+
+
+def test_a_compressed_camera_feeds_the_engine(observation):
+    node = observation(prompt="stack the cups")
+    rgb = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    ok, png = cv2.imencode(".png", rgb[..., ::-1])
+    t = node._now()
+    node._on_image("base_0_rgb", _stamped(CompressedImage(format="png", data=png.tobytes()), t))
+    node._on_state(_stamped(JointState(name=NAMES, position=[0.1] * 7), t))
+    (obs,) = node.engine.observations
+    np.testing.assert_array_equal(obs.images["base_0_rgb"], rgb)
+    assert obs.image_masks == {"base_0_rgb": True, "left_wrist_0_rgb": False, "right_wrist_0_rgb": False}
+    assert obs.prompt == "stack the cups" and obs.state.tolist() == [0.1] * 7 and node.bad_inputs == 0
+
+
+def test_an_oversized_compressed_image_is_refused_and_counted(observation):
+    node = observation()
+    ok, png = cv2.imencode(".png", np.zeros((10, 9000), np.uint8))
+    node._on_image("base_0_rgb", _stamped(CompressedImage(format="png", data=png.tobytes()), node._now()))
+    assert node.bad_inputs == 1 and "exceeds the limit of 8192 px per side" in node.last_error
+    assert node.assembler.stats["images_received"] == 0
+
+
+def test_a_state_longer_than_the_model_takes_is_refused_without_state_dim(observation, small_model):
+    node = observation(state_type="float64_array", **{"cameras.base_0_rgb.compressed": False})
+    node._on_state(Float64MultiArray(data=[0.0] * 200_000))
+    assert node.bad_inputs == 1 and "more than the limit of 4096" in node.last_error
+    node._on_state(Float64MultiArray(data=[0.0] * (small_model.cfg.action_dim + 1)))
+    assert node.bad_inputs == 2 and f"more than the model's {small_model.cfg.action_dim}" in node.last_error
+    img = Image(encoding="rgb8", width=4, height=4, step=12, data=bytes(48))
+    node._on_image("base_0_rgb", _stamped(img, node._now()))
+    node._on_state(Float64MultiArray(data=[0.0] * 8))
+    assert len(node.engine.observations) == 1
+
+
+# ------------------------------------------------------------------------------------------ conversation
+def test_a_session_puts_its_earlier_turns_in_front_of_the_next_question(ros, engine_factory, obs):
+    from oxygen_interfaces.srv import Converse
+
+    from oxygen_ros.nodes.conversation_service import ConversationService
+
+    engine = engine_factory()
+    node = ros.add(ConversationService(engine, context=ros.context))
+    engine.start()
+    try:
+        engine.submit_observation(obs(0))
+        asked = []
+        submit = engine.submit
+        engine.submit = lambda request: (asked.append(request.text), submit(request))[1]
+        first = node._submit(Converse.Request(text="  what is red? ", max_tokens=3, session_id="op"))
+        reply = first.result(timeout=60)
+        assert reply.success
+        deadline = time.monotonic() + 5
+        while not len(node.sessions) and time.monotonic() < deadline:   # done callbacks run after result()
+            time.sleep(0.01)
+        second = node._submit(Converse.Request(text="and blue?", max_tokens=3, session_id="op"))
+        other = node._submit(Converse.Request(text="hello", max_tokens=3, session_id="someone else"))
+        engine.submit_observation(obs(1))                                # requests are admitted at a frame
+        assert second.result(timeout=60).success and other.result(timeout=60).success
+        assert asked == ["what is red?", f"what is red?\n{reply.text}\nand blue?", "hello"]
+    finally:
+        engine.stop()
