@@ -295,3 +295,122 @@ def test_a_session_puts_its_earlier_turns_in_front_of_the_next_question(ros, eng
         assert asked == ["what is red?", f"what is red?\n{reply.text}\nand blue?", "hello"]
     finally:
         engine.stop()
+
+
+def _run(coroutine):
+    """Run a coroutine that never really waits (rclpy's goal handling with plain callbacks) to its end."""
+    try:
+        while True:
+            coroutine.send(None)
+    except StopIteration:
+        pass
+
+
+class _GoalResponseFails:
+    """The action server's rcl handle, except that sending a goal response fails (the client went away)."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def send_goal_response(self, *_):
+        from rclpy._rclpy_pybind11 import RCLError
+
+        raise RCLError("client gone")
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+    def __enter__(self):
+        return self._handle.__enter__()
+
+    def __exit__(self, *exc):
+        return self._handle.__exit__(*exc)
+
+
+def test_goals_whose_response_cannot_be_sent_do_not_take_stream_slots(ros, engine_factory):
+    # rclpy calls the goal callback, then sends the response; when that fails it drops the goal without
+    # executing it. A slot taken in the goal callback was never given back: after max_streams such goals
+    # every goal was refused.
+    from unique_identifier_msgs.msg import UUID
+
+    from oxygen_interfaces.action import Converse as ConverseAction
+    from oxygen_ros.nodes.conversation_service import ConversationService
+
+    node = ros.add(ConversationService(engine_factory(), context=ros.context,
+                                       parameter_overrides=[Parameter("max_streams", value=2)]))
+    server = node.action_server
+    real = server._handle
+    server._handle = _GoalResponseFails(real)
+    try:
+        for i in range(5):
+            request = ConverseAction.Impl.SendGoalService.Request(goal=ConverseAction.Goal(text="hi"))
+            request.goal_id = UUID(uuid=[i + 1] + [0] * 15)
+            _run(server._execute_goal_request((None, request)))
+    finally:
+        server._handle = real
+    from rclpy.action import GoalResponse
+
+    assert node._on_goal(ConverseAction.Goal(text="hi")) == GoalResponse.ACCEPT
+    assert node.counts["streams_rejected"] == 0
+
+
+class _FakeGoal:
+    """What rclpy hands the execute callback, recording how the goal ended."""
+
+    def __init__(self, i: int, **goal):
+        from unique_identifier_msgs.msg import UUID
+
+        from oxygen_interfaces.action import Converse as ConverseAction
+
+        self.goal_id = UUID(uuid=[i] + [0] * 15)
+        self.request = ConverseAction.Goal(**goal)
+        self.is_cancel_requested = False
+        self.feedback, self.ended = [], None
+
+    def publish_feedback(self, f):
+        self.feedback.append(f.partial_reply)
+
+    def succeed(self):
+        self.ended = "succeeded"
+
+    def abort(self):
+        self.ended = "aborted"
+
+    def canceled(self):
+        self.ended = "canceled"
+
+
+@pytest.mark.parametrize("timeout_s", [math.nan, math.inf, 1e300, -1.0])
+def test_a_stream_with_any_timeout_ends_and_gives_its_slot_back(ros, engine_factory, obs, timeout_s):
+    from oxygen_ros.nodes.conversation_service import ConversationService
+
+    engine = engine_factory()
+    node = ros.add(ConversationService(engine, context=ros.context,
+                                       parameter_overrides=[Parameter("max_streams", value=1)]))
+    engine.start()
+    try:
+        engine.submit_observation(obs(0))
+        goal = _FakeGoal(1, text="hi", max_tokens=2, timeout_s=timeout_s)
+        done = threading.Event()
+        threading.Thread(target=lambda: (node._execute_stream(goal), done.set()), daemon=True).start()
+        for i in range(1, 200):
+            if done.wait(0.1):
+                break
+            engine.submit_observation(obs(i))
+        assert done.is_set() and goal.ended in ("succeeded", "aborted")
+        assert node._stream_slots == 0 and node._streams == {}
+        assert engine.active_requests == 0 and engine.queued_requests == 0
+    finally:
+        engine.stop()
+
+
+def test_a_goal_executed_beyond_max_streams_is_refused_as_busy(ros, engine_factory):
+    from oxygen_ros.nodes.conversation_service import ConversationService
+
+    node = ros.add(ConversationService(engine_factory(), context=ros.context,
+                                       parameter_overrides=[Parameter("max_streams", value=1)]))
+    node._stream_slots = 1                  # one stream running: goals accepted at the same moment
+    goal = _FakeGoal(2, text="hi")
+    result = node._execute_stream(goal)
+    assert goal.ended == "aborted" and not result.success and result.error.startswith("busy: 1 streams")
+    assert node._stream_slots == 1 and node.counts["streams_rejected"] == 1
