@@ -101,9 +101,13 @@ class ConversationService(Node):
             response.bind(header) if isinstance(response, _DeferredResponse) else send(response, header))
         self._send_response = send
 
+        # The action's goal, result and cancel services are services too: with rclpy's default keep-last-10
+        # (here and in the client) a burst of 26 result requests lost 16, whose clients waited forever
+        # (test_ros_fuzz.py).
         self.action_server = ActionServer(
             self, ConverseAction, self.p["action_name"], execute_callback=self._execute_stream,
-            goal_callback=self._on_goal, cancel_callback=self._on_cancel, callback_group=ReentrantCallbackGroup())
+            goal_callback=self._on_goal, cancel_callback=self._on_cancel, callback_group=ReentrantCallbackGroup(),
+            goal_service_qos_profile=qos, result_service_qos_profile=qos, cancel_service_qos_profile=qos)
 
         self.memory_pub = self.create_publisher(CaptionMsg, self.p["memory_topic"], 10)
         self._captions: queue.SimpleQueue = queue.SimpleQueue()
