@@ -414,3 +414,26 @@ def test_a_goal_executed_beyond_max_streams_is_refused_as_busy(ros, engine_facto
     result = node._execute_stream(goal)
     assert goal.ended == "aborted" and not result.success and result.error.startswith("busy: 1 streams")
     assert node._stream_slots == 1 and node.counts["streams_rejected"] == 1
+
+
+def test_an_unexpected_error_in_a_tick_stops_the_robot_and_the_loop_survives(publisher):
+    # An exception escaping a timer callback ends rclpy's spin: the 70 Hz loop would die without a stop.
+    node = publisher(output_type="twist")
+    node._on_chunk(chunk(100.0, 1, start=0.1))
+    assert tick_at(node, 100.0)[0].twist.linear.x == pytest.approx(0.11)
+    next_row = node.follower.next
+    node.follower.next = lambda now: 1 / 0
+    (stop,) = tick_at(node, 100.0 + DT)
+    assert stop.twist.linear.x == 0 and node.last_status == "error" and node.tick_errors == 1
+    assert "ZeroDivisionError" in node.diagnostics()[0].message
+    node.follower.next = next_row
+    assert tick_at(node, 100.0 + 2 * DT)[0].twist.linear.x == pytest.approx(0.13)
+
+
+def test_an_unexpected_error_in_an_input_callback_is_counted_not_raised(observation, monkeypatch):
+    import oxygen_ros.nodes.observation_node as module
+
+    node = observation()
+    monkeypatch.setattr(module, "image_from_msg", lambda msg, name=None: 1 / 0)
+    node._on_image("base_0_rgb", _stamped(CompressedImage(format="png", data=b"x"), node._now()))
+    assert node.bad_inputs == 1 and "ZeroDivisionError" in node.last_error

@@ -83,6 +83,8 @@ class ActionPublisher(Node):
         self.commands = 0
         self._hold_since: float | None = None
         self._stopped_sent = False
+        self.tick_errors = 0
+        self.last_error = ""
         # One tick and a change of `enabled` never interleave: otherwise a tick that had already checked
         # `enabled` published its command after set_enabled(False)'s final stop (shutdown race).
         self._output_lock = threading.Lock()
@@ -120,7 +122,14 @@ class ActionPublisher(Node):
 
     def _tick(self) -> None:
         with self._output_lock:
-            self._tick_locked()
+            try:
+                self._tick_locked()
+            except Exception as e:  # noqa: BLE001 - an exception would end rclpy's spin: no ticks, no stop
+                self.tick_errors += 1
+                self.last_status = "error"
+                self.last_error = f"{type(e).__name__}: {e}"
+                self.get_logger().error(f"tick failed, actions stopped: {self.last_error}", throttle_duration_sec=1.0)
+                self._send_stop(self._now())
 
     def _tick_locked(self) -> None:
         now = self._now()
@@ -196,8 +205,10 @@ class ActionPublisher(Node):
             level, message = DiagnosticStatus.ERROR, "inputs stale: actions stopped"
         elif state == "hold_timeout":
             level, message = DiagnosticStatus.ERROR, "no fresh chunk for too long: actions stopped"
+        elif state == "error":
+            level, message = DiagnosticStatus.ERROR, f"tick failed, actions stopped: {self.last_error}"
         else:
             level, message = DiagnosticStatus.WARN, f"no command ({state})"
         values = dict(r, status=state, commands=self.commands, clamped_ticks=self.clamped_ticks,
-                      enabled=self.enabled, **self.follower.stats)
+                      enabled=self.enabled, tick_errors=self.tick_errors, **self.follower.stats)
         return [status("oxygen_ros: actions", level, message, values)]

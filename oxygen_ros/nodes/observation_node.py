@@ -100,10 +100,12 @@ class ObservationNode(Node):
         self.create_timer(0.1, self._poll, callback_group=group)
 
     # ------------------------------------------------------------------ callbacks
+    # An exception escaping a callback would end rclpy's spin and with it every input (a bug's, not the
+    # input's): any error is counted and logged like bad input, and the next message is read.
     def _on_image(self, slot: str, msg) -> None:
         try:
             self.assembler.add_image(slot, _stamp_s(msg.header), image_from_msg(msg, name=slot))
-        except InputError as e:
+        except Exception as e:  # noqa: BLE001
             self._bad(e)
             return
         self._poll()
@@ -117,7 +119,7 @@ class ObservationNode(Node):
                 vec = self.reader.from_array(msg.data)
                 stamp = self._now()  # Float64MultiArray has no header: stamped on arrival
             self.assembler.add_state(stamp, vec)
-        except InputError as e:
+        except Exception as e:  # noqa: BLE001
             self._bad(e)
             return
         self._poll()
@@ -140,9 +142,9 @@ class ObservationNode(Node):
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
 
-    def _bad(self, error: InputError) -> None:
+    def _bad(self, error: Exception) -> None:
         self.bad_inputs += 1
-        self.last_error = str(error)
+        self.last_error = str(error) if isinstance(error, InputError) else f"{type(error).__name__}: {error}"
         self.get_logger().warning(f"input rejected: {error}", throttle_duration_sec=1.0)
 
     def inputs_fresh(self) -> bool:
