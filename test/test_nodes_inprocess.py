@@ -437,3 +437,21 @@ def test_an_unexpected_error_in_an_input_callback_is_counted_not_raised(observat
     monkeypatch.setattr(module, "image_from_msg", lambda msg, name=None: 1 / 0)
     node._on_image("base_0_rgb", _stamped(CompressedImage(format="png", data=b"x"), node._now()))
     assert node.bad_inputs == 1 and "ZeroDivisionError" in node.last_error
+
+
+def test_a_request_the_engine_cannot_take_is_answered_with_the_reason(ros, engine_factory):
+    # An exception from engine.submit escaped the service callback: the services executor stopped spinning.
+    from oxygen_interfaces.srv import Converse
+
+    from oxygen_ros.nodes.conversation_service import ConversationService
+
+    engine = engine_factory()
+    node = ros.add(ConversationService(engine, context=ros.context))
+    engine.submit = lambda request: 1 / 0
+    sent = []
+    node._send_response = lambda response, header: sent.append((response, header))
+    deferred = node._on_request(Converse.Request(text="hi"), None)
+    deferred.bind("header")
+    (response, header), = sent
+    assert header == "header" and not response.success and response.finish_reason == "refused"
+    assert response.error == "engine error: ZeroDivisionError: division by zero"

@@ -130,7 +130,11 @@ class ConversationService(Node):
             request = self._text_request(r)
         except ValueError as e:  # an empty or invalid question, top_p out of range...
             return refused(TextRequest(r.text), str(e))
-        handle = self.engine.submit(request)
+        try:
+            handle = self.engine.submit(request)
+        except Exception as e:  # noqa: BLE001 - escaping the callback would stop the services executor
+            self.get_logger().error(f"engine refused a request: {type(e).__name__}: {e}", throttle_duration_sec=1.0)
+            return refused(request, f"engine error: {type(e).__name__}: {e}")
         if r.session_id:
             question = r.text.strip()
             handle.add_done_callback(
