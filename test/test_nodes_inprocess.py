@@ -270,31 +270,47 @@ def test_a_state_longer_than_the_model_takes_is_refused_without_state_dim(observ
 
 # ------------------------------------------------------------------------------------------ conversation
 def test_a_session_puts_its_earlier_turns_in_front_of_the_next_question(ros, engine_factory, obs):
-    from oxygen_interfaces.srv import Converse
+    # Through the real service over DDS (the node spun by an executor), whatever thread records the turn.
+    from rclpy.executors import MultiThreadedExecutor
+    from rclpy.node import Node
 
+    from oxygen_interfaces.srv import Converse
     from oxygen_ros.nodes.conversation_service import ConversationService
 
     engine = engine_factory()
+    asked = []
+    submit = engine.submit
+    engine.submit = lambda request: (asked.append(request.text), submit(request))[1]
     node = ros.add(ConversationService(engine, context=ros.context))
+    client = ros.add(Node("session_client", context=ros.context))
+    service = client.create_client(Converse, "/oxygen/converse")
+    executor = MultiThreadedExecutor(num_threads=2, context=ros.context)
+    executor.add_node(node)
+    executor.add_node(client)
+    spinner = threading.Thread(target=executor.spin, daemon=True)
+    spinner.start()
     engine.start()
+
+    def ask(text, session_id, frame):
+        future = service.call_async(Converse.Request(text=text, max_tokens=3, session_id=session_id))
+        engine.submit_observation(obs(frame))                         # requests are admitted at a frame
+        for i in range(600):
+            if future.done():
+                break
+            time.sleep(0.1)
+            engine.submit_observation(obs(frame * 1000 + i + 1))
+        assert future.done() and future.result().success, future.result()
+        return future.result().reply
+
     try:
-        engine.submit_observation(obs(0))
-        asked = []
-        submit = engine.submit
-        engine.submit = lambda request: (asked.append(request.text), submit(request))[1]
-        first = node._submit(Converse.Request(text="  what is red? ", max_tokens=3, session_id="op"))
-        reply = first.result(timeout=60)
-        assert reply.success
-        deadline = time.monotonic() + 5
-        while not len(node.sessions) and time.monotonic() < deadline:   # done callbacks run after result()
-            time.sleep(0.01)
-        second = node._submit(Converse.Request(text="and blue?", max_tokens=3, session_id="op"))
-        other = node._submit(Converse.Request(text="hello", max_tokens=3, session_id="someone else"))
-        engine.submit_observation(obs(1))                                # requests are admitted at a frame
-        assert second.result(timeout=60).success and other.result(timeout=60).success
-        assert asked == ["what is red?", f"what is red?\n{reply.text}\nand blue?", "hello"]
+        assert service.wait_for_service(20)
+        first = ask("  what is red? ", "op", 1)
+        ask("and blue?", "op", 2)
+        ask("hello", "someone else", 3)
+        assert asked == ["what is red?", f"what is red?\n{first}\nand blue?", "hello"]
     finally:
         engine.stop()
+        executor.shutdown(timeout_sec=2.0)
 
 
 def _run(coroutine):
@@ -448,10 +464,6 @@ def test_a_request_the_engine_cannot_take_is_answered_with_the_reason(ros, engin
     engine = engine_factory()
     node = ros.add(ConversationService(engine, context=ros.context))
     engine.submit = lambda request: 1 / 0
-    sent = []
-    node._send_response = lambda response, header: sent.append((response, header))
-    deferred = node._on_request(Converse.Request(text="hi"), None)
-    deferred.bind("header")
-    (response, header), = sent
-    assert header == "header" and not response.success and response.finish_reason == "refused"
-    assert response.error == "engine error: ZeroDivisionError: division by zero"
+    reply = node._submit(Converse.Request(text="hi")).result(timeout=0)
+    assert not reply.success and reply.finish_reason == "refused"
+    assert reply.error == "engine error: ZeroDivisionError: division by zero"

@@ -3,7 +3,8 @@
 compressed), joint states, prompts, service requests and streaming goals (some cancelled) over DDS for a
 bounded time, next to a well-behaved robot. Invariants checked afterwards:
 
-- the 70 Hz action loop kept its rate (10% slack for a loaded 2-core machine) and never published a NaN;
+- the 70 Hz action loop kept its rate (within 10% of 70 Hz, or of the rate it reached just before the fuzz
+  when other jobs load the machine) and never published a NaN;
 - every service request got exactly one response (counted where the server sends them) and every goal
   one result;
 - nothing crashed: bad inputs were counted, the engine is not in a safe stop, and once the requests are
@@ -36,6 +37,7 @@ from oxygen_ros.robot.rate import RateMeter
 from ros_harness import private_domain, wait_until
 
 FUZZ_S = 8.0
+BASELINE_S = 3.0
 JOINTS = ["joint_1", "joint_2", "joint_3", "joint_4", "joint_5", "joint_6", "gripper"]
 PARAMS = """
 /**:
@@ -192,9 +194,13 @@ def system(tmp_path):
 def test_random_and_malformed_traffic_keeps_every_invariant(system):
     engine, observation, action, conversation, client = system
     sent = collections.Counter()                # responses the server sent, per request sequence number
-    send = conversation._send_response
-    conversation._send_response = lambda response, header: (sent.update([header.request_id.sequence_number]),
-                                                             send(response, header))
+    # The service's raw send: `_send_response` here, `service.send` once replies are sent from the executor
+    # (wave-2 engine branch); whichever exists is counted.
+    owner, name = ((conversation.service, "send") if hasattr(conversation.service, "send")
+                   else (conversation, "_send_response"))
+    send = getattr(owner, name)
+    setattr(owner, name, lambda response, header: (sent.update([header.request_id.sequence_number]),
+                                                   send(response, header)))
     commands = []
     client.create_subscription(Float64MultiArray, "/oxygen/action", lambda m: commands.append(list(m.data)), 100)
     service = client.create_client(Converse, "/oxygen/converse", qos_profile=QoSProfile(depth=1000))
@@ -207,8 +213,13 @@ def test_random_and_malformed_traffic_keeps_every_invariant(system):
     assert service.wait_for_service(20) and streams.wait_for_server(20)
     assert wait_until(lambda: len(commands) > 10, 60), "no actions before the fuzz"
 
+    # The rate without fuzz first, in the same conditions: on a machine shared with other jobs the timer may
+    # fall short of 70 Hz by itself, and the fuzz is judged against what the loop reaches then.
+    action.rate = RateMeter()
+    time.sleep(BASELINE_S)
+    baseline = action.rate.summary()
     futures, goals, results = [], [], []
-    action.rate = RateMeter()                       # the rate during the fuzz only (not the start-up)
+    action.rate = RateMeter()                       # the rate during the fuzz only
     end = time.monotonic() + FUZZ_S
     while time.monotonic() < end:
         fuzz.bad_input()
@@ -244,10 +255,12 @@ def test_random_and_malformed_traffic_keeps_every_invariant(system):
                                                       GoalStatus.STATUS_CANCELED}
     print(f"fuzz: {len(futures)} calls ({sum(r.success for r in replies)} answered), {len(goals)} goals "
           f"({len(accepted)} accepted), {observation.bad_inputs} bad inputs; action rate "
-          f"{fuzz_rate['rate_hz']:.1f} Hz, period max {fuzz_rate['period_ms_max']:.1f} ms")
+          f"{fuzz_rate['rate_hz']:.1f} Hz (before the fuzz {baseline['rate_hz']:.1f} Hz), period max "
+          f"{fuzz_rate['period_ms_max']:.1f} ms")
 
-    # The loop kept its rate, published only finite commands; bad input was counted, nothing tripped.
-    assert abs(fuzz_rate["rate_hz"] - 70.0) < 7.0
+    # The loop kept its rate (within 10% of 70 Hz, or of what it reached just before on a loaded machine),
+    # published only finite commands; bad input was counted, nothing tripped.
+    assert fuzz_rate["rate_hz"] >= 0.9 * min(70.0, baseline["rate_hz"]) and fuzz_rate["rate_hz"] < 77.0
     assert commands and all(len(c) == 7 and all(math.isfinite(v) for v in c) for c in commands)
     assert observation.bad_inputs > 50
     assert not engine.faulted

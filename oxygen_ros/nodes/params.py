@@ -1,8 +1,8 @@
 """Declaring ROS parameters the ros2/examples way (defaults and descriptions), read back as plain values.
 
 Problems are collected, not raised one by one, so a node that refuses to start lists every bad
-parameter in one message. Every parameter is read-only: nodes read their values once, at start, so a
-change at run time would report success and change nothing; rclpy refuses it with a reason instead.
+parameter in one message. Parameters are read-only by default: a node that reads its values once, at
+start, would report success for a change at run time and change nothing; rclpy refuses it with a reason.
 """
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ class Param:
     maximum: float | None = None
 
 
-def declare_all(node, specs: list[Param]) -> tuple[dict[str, Any], list[str]]:
+def declare_all(node, specs: list[Param], read_only: bool = True) -> tuple[dict[str, Any], list[str]]:
     """Declare `specs` on `node`; return ({name: value}, problems): every value outside its choices or
-    range, one line each. The node adds its own consistency checks and raises ParameterError once."""
+    range, one line each. The node adds its own consistency checks and raises ParameterError once.
+    read_only=False only for a node that reads its parameters again (a lifecycle node's configure)."""
     values, problems = {}, []
     for p in specs:
         desc = p.description
@@ -38,7 +39,7 @@ def declare_all(node, specs: list[Param]) -> tuple[dict[str, Any], list[str]]:
         # Empty-list defaults cannot carry their element type in rclpy: accept any type, check below.
         dynamic = isinstance(p.default, list) and not p.default
         node.declare_parameter(p.name, p.default,
-                               ParameterDescriptor(description=desc, dynamic_typing=dynamic, read_only=True))
+                               ParameterDescriptor(description=desc, dynamic_typing=dynamic, read_only=read_only))
         value = node.get_parameter(p.name).value
         if isinstance(p.default, list) and value is None:
             value = []
