@@ -48,7 +48,7 @@ def params_for(slots) -> list[Param]:
         Param("max_prompt_chars", 500, "Longest prompt accepted.", minimum=1),
         Param("slop_s", 0.05, "Largest |image stamp - state stamp| that pairs them.", minimum=0.0),
         Param("missing_after_s", 0.5, "An optional camera silent this long is masked.", minimum=0.0),
-        Param("buffer", 32, "Messages kept per stream for synchronisation.", minimum=1),
+        Param("buffer", 32, "Messages kept per stream for synchronisation.", minimum=1, maximum=10_000),
         Param("image_buffer_mb", 256.0, "Most image memory kept per camera slot (the newest images that fit).",
               minimum=1.0),
         Param("stale_after_s", 0.5, "No complete observation for this long: inputs are stale.", minimum=0.01),
