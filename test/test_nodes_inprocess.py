@@ -54,9 +54,10 @@ def publisher(ros, engine_factory):
                                        parameter_overrides=[Parameter(k, value=v) for k, v in params.items()]))
         node.clock = SimClock(100.0)
         node._now = node.clock
-        node.sent = []
-        publish = node.pub.publish
+        node.sent, node.chunks = [], []
+        publish, publish_chunk = node.pub.publish, node.chunk_pub.publish
         node.pub.publish = lambda msg: (node.sent.append(msg), publish(msg))
+        node.chunk_pub.publish = lambda msg: (node.chunks.append(msg), publish_chunk(msg))
         return node
 
     return make
@@ -79,9 +80,15 @@ def tick_at(node, t: float):
 def test_float64_array_plays_the_row_for_now_latency_aligned(publisher):
     node = publisher()
     node._on_chunk(chunk(100.0, 1))
-    (msg,) = tick_at(node, 100.0 + 3.5 * DT)          # 3.5 rows after the observation: row 3
+    (msg,) = tick_at(node, 100.0 + 3 * DT)            # 3 rows after the observation: row 3
     assert isinstance(msg, Float64MultiArray) and msg.data.tolist() == pytest.approx([0.04] * 7)
     assert node.last_status == "ok"
+    (c,) = node.chunks                                 # every new chunk once on /oxygen/action_chunk
+    assert (c.frame_index, c.horizon, c.dim, c.header.stamp.sec, c.header.stamp.nanosec) == (1, 10, 7, 100, 0)
+    assert c.actions.tolist()[::7] == pytest.approx([0.01 * (k + 1) for k in range(10)])
+    assert c.step_period_s == pytest.approx(DT) and c.compute_latency_s == pytest.approx(0.01)
+    tick_at(node, 100.0 + 4 * DT)
+    assert len(node.chunks) == 1
 
 
 def test_a_tick_before_the_chunk_stamp_plays_row_0_and_sends_the_whole_trajectory(publisher):
