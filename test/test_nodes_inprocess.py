@@ -474,3 +474,10 @@ def test_a_request_the_engine_cannot_take_is_answered_with_the_reason(ros, engin
     reply = node._submit(Converse.Request(text="hi")).result(timeout=0)
     assert not reply.success and reply.finish_reason == "refused"
     assert reply.error == "engine error: ZeroDivisionError: division by zero"
+
+
+def test_a_state_dim_beyond_the_model_refuses_the_start(observation, small_model):
+    from oxygen_ros.nodes.params import ParameterError
+
+    with pytest.raises(ParameterError, match=f"state of 40 values .* exceeds the model's {small_model.cfg.action_dim}"):
+        observation(state_dim=40)

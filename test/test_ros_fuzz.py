@@ -150,7 +150,7 @@ class Fuzzer:
 
 
 @pytest.fixture
-def system(tmp_path):
+def system(tmp_path, monkeypatch):
     from oxygen_ros.nodes.action_publisher import ActionPublisher
     from oxygen_ros.nodes.conversation_service import ConversationService
     from oxygen_ros.nodes.engine_node import EngineNode
@@ -158,7 +158,7 @@ def system(tmp_path):
 
     params = tmp_path / "fuzz.yaml"
     params.write_text(PARAMS)
-    os.environ["ROS_DOMAIN_ID"] = str(private_domain(37))
+    monkeypatch.setenv("ROS_DOMAIN_ID", str(private_domain(37)))
     context = Context()
     rclpy.init(args=["fuzz", "--ros-args", "--params-file", str(params)], context=context)
     engine_node = EngineNode(context=context)
