@@ -481,3 +481,17 @@ def test_a_state_dim_beyond_the_model_refuses_the_start(observation, small_model
 
     with pytest.raises(ParameterError, match=f"state of 40 values .* exceeds the model's {small_model.cfg.action_dim}"):
         observation(state_dim=40)
+
+
+def test_after_shut_down_output_cannot_be_enabled_again(publisher):
+    # A /oxygen/enable true arriving during shutdown re-enabled the output while the engine stopped.
+    from std_srvs.srv import SetBool
+
+    node = publisher(output_type="twist")
+    node._on_chunk(chunk(100.0, 1, start=0.1))
+    assert len(tick_at(node, 100.0)) == 1
+    node.shut_down()
+    assert isinstance(node.sent[-1], TwistStamped) and node.sent[-1].twist.linear.x == 0
+    response = node._on_enable(SetBool.Request(data=True), SetBool.Response())
+    assert not response.success and response.message == "shutting down: action output stays disabled"
+    assert tick_at(node, 100.0 + DT) == [] and not node.enabled

@@ -181,7 +181,7 @@ def system(tmp_path, monkeypatch):
     try:
         yield engine, observation, action, conversation, client
     finally:
-        action.set_enabled(False)
+        action.shut_down()
         engine.stop()
         for executor, _ in executors:
             executor.shutdown(timeout_sec=2.0)

@@ -85,6 +85,7 @@ class ActionPublisher(Node):
         self._stopped_sent = False
         self.tick_errors = 0
         self.last_error = ""
+        self._shut_down = False
         # One tick and a change of `enabled` never interleave: otherwise a tick that had already checked
         # `enabled` published its command after set_enabled(False)'s final stop (shutdown race).
         self._output_lock = threading.Lock()
@@ -104,6 +105,9 @@ class ActionPublisher(Node):
             self._incoming = chunk
 
     def _on_enable(self, request: SetBool.Request, response: SetBool.Response) -> SetBool.Response:
+        if request.data and self._shut_down:
+            response.success, response.message = False, "shutting down: action output stays disabled"
+            return response
         self.set_enabled(request.data)
         response.success = True
         response.message = "action output enabled" if request.data else "action output disabled"
@@ -112,13 +116,19 @@ class ActionPublisher(Node):
             self.engine.reset_fault()
         return response
 
+    def shut_down(self) -> None:
+        """The first step of a shutdown: output disabled for good (the final stop sent), before the engine
+        stops; /oxygen/enable can no longer turn it back on."""
+        self._shut_down = True
+        self.set_enabled(False)
+
     def set_enabled(self, enabled: bool) -> None:
         """Disabling waits for a tick in progress, then sends the final stop: no command follows it."""
         with self._output_lock:
             if self.enabled and not enabled:
                 self._send_stop(self._now())
-            self.enabled = enabled
-        self.get_logger().info("action output " + ("enabled" if enabled else "disabled"))
+            self.enabled = enabled and not self._shut_down
+        self.get_logger().info("action output " + ("enabled" if self.enabled else "disabled"))
 
     def _tick(self) -> None:
         with self._output_lock:
