@@ -199,3 +199,13 @@ def test_expected_dim_above_the_bound_is_a_config_error():
         StateReader(None, expected_dim=40, max_dim=32)
     with pytest.raises(ConfigError, match="max_dim 0 must be positive"):
         StateReader(max_dim=0)
+
+
+def test_raw_text_is_bounded_before_cleaning():
+    # "hi" + 10 MB of NULs cleaned to "hi": the whole payload was scanned (and kept, where the raw text
+    # was stored). Raw text longer than 4x the limit is refused before any work.
+    with pytest.raises(TextError, match="question has 10000002 characters before cleaning, more than 4 x the limit of 2000"):
+        validate_text("hi" + "\x00" * 10_000_000, what="question", max_chars=2000)
+    with pytest.raises(TextError, match="before cleaning"):
+        validate_text(b"hi" + b"\x00" * 8001, what="prompt", max_chars=2000)
+    assert validate_text("  hi" + "\x00" * 7990 + " ", what="question", max_chars=2000) == "hi"

@@ -126,17 +126,22 @@ class ObservationNode(Node):
 
     def _on_prompt(self, msg: String) -> None:
         try:
-            self.assembler.set_prompt(validate_text(msg.data, what="prompt", max_chars=self.p["max_prompt_chars"]))
-            self.get_logger().info(f"task prompt: {msg.data!r}")
-        except InputError as e:
+            prompt = validate_text(msg.data, what="prompt", max_chars=self.p["max_prompt_chars"])
+            self.assembler.set_prompt(prompt)
+        except Exception as e:  # noqa: BLE001
             self._bad(e)
+            return
+        self.get_logger().info(f"task prompt: {prompt!r}")   # the cleaned text, never the raw payload
 
     def _poll(self) -> None:
-        obs = self.assembler.poll(self._now())
-        if obs is not None:
-            self.engine.submit_observation(obs)
-            self.observations += 1
-            self.watch.seen(self._now())
+        try:
+            obs = self.assembler.poll(self._now())
+            if obs is not None:
+                self.engine.submit_observation(obs)
+                self.observations += 1
+                self.watch.seen(self._now())
+        except Exception as e:  # noqa: BLE001
+            self._bad(e)
 
     # ------------------------------------------------------------------ helpers
     def _now(self) -> float:
