@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(status_line(engine, action, conversation), flush=True)
                 next_status += args.status_period
         # Safe shutdown order: no more commands, then the engine lets go of the device, then ROS.
-        action.set_enabled(False)
+        action.shut_down()
         engine.stop()
         for executor, _, _ in executors:
             executor.shutdown(timeout_sec=2.0)

@@ -32,23 +32,27 @@ def bench_json(tmp_path_factory):
 
 
 def test_settings_fields(bench_json):
+    # Figures are measured, so nothing here bounds a time: the checks are the identities that tie the
+    # reported figures to each other and the counts the workload fixes (the speed lives in the benchmark).
     settings = bench_json["settings"]
     assert list(settings) == ["isolated", "shared_kv", "oxygen"]
+    iso = settings["isolated"]
     for name, s in settings.items():
         for key, kind in SETTING_KEYS.items():
             assert _number(s[key], kind), (name, key, s[key])
-        assert "ideal_speedup" in s
         assert s["frame_ms_p50"] <= s["frame_ms_p99"] + 1e-9
-        assert s["frame_ms_mean"] > 0 and s["action_hz"] > 0 and s["tokens_per_s"] > 0
-        assert s["pool_peak_blocks"] > 0
         assert s["requests"] == 2 * 4 and s["tokens"] == 2 * 4 * 6      # every reply ran to 6 tokens
-        assert s["replies_failed"] == 0 and s["unfinished"] == 0
-    assert settings["isolated"]["speedup_vs_isolated"] == pytest.approx(1.0)
-    assert settings["isolated"]["avg_batch"] == pytest.approx(1.0)
+        assert s["replies_failed"] == 0 and s["unfinished"] == 0 and s["frames"] == 2 * 4
+        # action_hz = horizon / mean frame time; the tiny preset's horizon is 10 in every setting
+        assert s["action_hz"] * s["frame_ms_mean"] / 1e3 == pytest.approx(10)
+        assert s["tokens_per_s"] == pytest.approx(s["tokens"] / s["total_s"])
+        assert s["speedup_vs_isolated"] == pytest.approx(iso["total_s"] / s["total_s"])
+        assert 1 <= s["pool_peak_blocks"] <= 4095
+    assert iso["speedup_vs_isolated"] == pytest.approx(1.0) and iso["avg_batch"] == pytest.approx(1.0)
     assert settings["oxygen"]["avg_batch"] > 1.0                      # replies of 3 frames decode together
     ox = settings["oxygen"]
-    assert _number(ox["ideal_speedup"], float) and ox["ideal_speedup"] > 1.0
-    assert _number(ox["fraction_of_ideal"], float)
+    assert _number(ox["ideal_speedup"], float) and ox["ideal_speedup"] > 0
+    assert ox["fraction_of_ideal"] == pytest.approx(ox["speedup_vs_isolated"] / ox["ideal_speedup"])
 
 
 def test_equivalence_and_pool(bench_json):

@@ -61,3 +61,21 @@ oxygen_action:
                      "action_rate_hz 50.0 differs from the engine's 70.0"):
         assert any(expected in line for line in lines), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_corrupt_files_refuse_the_start_with_one_line_each(tmp_path):
+    # Before: a corrupt tokenizer raised RuntimeError from sentencepiece, a corrupt safetensors file a
+    # SafetensorError: both printed a traceback instead of the parameter error.
+    tokenizer = tmp_path / "tokenizer.model"
+    tokenizer.write_bytes(b"garbage" * 10)
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors.index.json").write_text('{"weight_map": {"a": "../secret.safetensors"}}')
+    for key, value, expected in (("tokenizer", tokenizer, f"{tokenizer}: not a SentencePiece model"),
+                                 ("checkpoint", checkpoint, "shard name '../secret.safetensors' is not a file name")):
+        params = tmp_path / f"{key}.yaml"
+        params.write_text(f"oxygen_engine:\n  ros__parameters:\n    {key}: {value}\n")
+        r = bringup("--robot", "demo", "--params-file", str(params))
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "refusing to start, bad parameters" in r.stderr and expected in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr

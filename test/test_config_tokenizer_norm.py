@@ -359,3 +359,17 @@ def test_identity_normalizer():
     norm = Normalizer.identity()
     x = np.array([3.0, -7.0])
     assert norm.normalize_state(x).tolist() == [3.0, -7.0] and norm.unnormalize_actions(x).tolist() == [3.0, -7.0]
+
+
+def test_a_corrupt_tokenizer_or_norm_stats_file_is_a_value_error_naming_it(tmp_path):
+    from oxygen_ros.model.normalize import Normalizer
+    from oxygen_ros.model.tokenizer import Tokenizer
+
+    bad = tmp_path / "tokenizer.model"
+    bad.write_bytes(b"garbage" * 10)
+    with pytest.raises(ValueError, match=f"{bad}: not a SentencePiece model"):
+        Tokenizer(bad)
+    stats = tmp_path / "norm_stats.json"
+    stats.write_bytes(b"\xff\xfe{")
+    with pytest.raises(ValueError, match=f"{stats}: not valid JSON"):
+        Normalizer.load(stats)

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from diagnostic_msgs.msg import DiagnosticArray
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from rclpy.action import ActionClient
 from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import Float64MultiArray, String
@@ -22,6 +22,7 @@ from oxygen_interfaces.srv import Converse
 from ros_harness import Bringup, RosClient, private_domain, wait_until
 
 RATE_HZ = 70.0
+RATE_TOL = 0.10   # relative: the timer holds 70 Hz to ~0.3% alone; 10% is slack for 5 other jobs on 2 cores
 LOWER = np.array([-2.9, -1.8, -2.6, -2.9, -2.1, -2.9, 0.0])
 UPPER = np.array([2.9, 1.8, 2.6, 2.9, 2.1, 2.9, 1.0])
 
@@ -53,6 +54,7 @@ def rate_over(client, seconds: float):
     return msgs, (len(t) - 1) / (t[-1] - t[0]), periods
 
 
+@pytest.mark.timing
 def test_actions_at_70hz_while_the_engine_computes(system):
     bringup, client = system
     chunks = client.collect(ActionChunk, "/oxygen/action_chunk")
@@ -60,7 +62,7 @@ def test_actions_at_70hz_while_the_engine_computes(system):
     print(f"action rate {rate:.2f} Hz over 6 s; period mean {periods.mean() * 1e3:.2f} ms, "
           f"std {periods.std() * 1e3:.2f} ms, p99 {np.percentile(periods, 99) * 1e3:.2f} ms, "
           f"max {periods.max() * 1e3:.2f} ms; {len(chunks)} chunks")
-    assert abs(rate - RATE_HZ) / RATE_HZ < 0.05
+    assert abs(rate - RATE_HZ) / RATE_HZ < RATE_TOL
     assert len(chunks) >= 6, "the engine produced chunks while the rate was measured"
     for _, m in msgs:
         a = np.array(m.data)
@@ -98,7 +100,8 @@ def test_streaming_conversation_gives_partials_and_can_be_cancelled(system):
     result = send.result().get_result_async()
     assert wait_until(result.done, 60)
     r = result.result().result
-    assert r.success and feedback and feedback[-1] == r.reply
+    # Feedback (a topic) and the result (a service) travel separately: the last partial may land after it.
+    assert r.success and wait_until(lambda: feedback and feedback[-1] == r.reply, 5), (feedback[-3:], r.reply)
 
     feedback2 = []
     send = ac.send_goal_async(ConverseAction.Goal(text="Describe the scene.", max_tokens=200, timeout_s=60.0),
@@ -114,6 +117,7 @@ def test_streaming_conversation_gives_partials_and_can_be_cancelled(system):
     assert r.finish_reason == "cancelled" and not r.success and r.tokens < 200
 
 
+@pytest.mark.timing
 def test_captions_and_diagnostics(system):
     bringup, client = system
     captions = client.collect(Caption, "/oxygen/memory")
@@ -123,11 +127,17 @@ def test_captions_and_diagnostics(system):
     assert c.prompt == "Describe the scene." and c.text and c.header.stamp.sec > 0
     names = {s.name: s for _, d in diags for s in d.status}
     assert {"oxygen_ros: engine", "oxygen_ros: actions", "oxygen_ros: inputs", "oxygen_ros: conversation"} <= set(names)
-    keys = {kv.key for kv in names["oxygen_ros: engine"].values}
-    assert {"frame_ms_mean", "deadline_misses", "dropped_frames", "pool_occupancy", "tokens_per_s"} <= keys
-    assert any(kv.key == "rate_hz" for kv in names["oxygen_ros: actions"].values)
+    values = {name: {kv.key: kv.value for kv in s.values} for name, s in names.items()}
+    engine, actions, inputs = (values[f"oxygen_ros: {n}"] for n in ("engine", "actions", "inputs"))
+    assert {"frame_ms_mean", "deadline_misses", "dropped_frames", "pool_occupancy", "tokens_per_s"} <= set(engine)
+    assert names["oxygen_ros: engine"].level == DiagnosticStatus.OK and engine["faults"] == "0"
+    assert 0 <= int(engine["pool_blocks_used"]) < int(engine["pool_blocks_total"])
+    assert names["oxygen_ros: inputs"].level == DiagnosticStatus.OK and inputs["bad_inputs"] == "0"
+    assert actions["enabled"] == "True" and actions["status"] in ("ok", "blending", "hold")
+    assert int(actions["commands"]) > 70 and abs(float(actions["rate_hz"]) - RATE_HZ) < RATE_TOL * RATE_HZ
 
 
+@pytest.mark.timing
 def test_bad_input_is_reported_precisely_and_the_loop_keeps_running(system):
     bringup, client = system
     node = client.node
@@ -163,9 +173,10 @@ def test_bad_input_is_reported_precisely_and_the_loop_keeps_running(system):
     for _, expected in cases:
         assert expected in out, f"no log line containing {expected!r}"
     _, rate, _ = rate_over(client, 3.0)
-    assert abs(rate - RATE_HZ) / RATE_HZ < 0.05, "the action loop kept its rate through the bad input"
+    assert abs(rate - RATE_HZ) / RATE_HZ < RATE_TOL, "the action loop kept its rate through the bad input"
 
 
+@pytest.mark.timing
 def test_enable_service_stops_output_at_once_and_resumes(system):
     bringup, client = system
     cli = client.node.create_client(SetBool, "/oxygen/enable")

@@ -260,3 +260,9 @@ def test_round_trip_of_wall_clock_stamps_is_within_a_float_ulp():
         sec, ns = seconds_to_duration(stamp_to_seconds(*stamp))
         error_ns = abs((sec - stamp[0]) * 10**9 + ns - stamp[1])
         assert error_ns <= math.ulp(2e9) * 1e9 / 2 + 1
+
+
+def test_rows_before_the_stamp_are_negative_floor_not_truncated():
+    # int() truncates towards zero: -0.5 rows would be row 0 and a trajectory sent then would skip row 0.
+    plan = ActionChunkPlan(np.zeros((4, 2)), 10.0, 0.1, 0)
+    assert [plan.row_at(t) for t in (9.85, 9.95, 10.0, 10.05, 10.1)] == [-2, -1, 0, 0, 1]

@@ -241,3 +241,38 @@ def test_encode_rejects_bad_input():
         encode_image(np.zeros((5, 7), np.uint8), "rgb8")
     with pytest.raises(ImageError, match="row_padding -1 is negative"):
         encode_image(random_rgb(), "rgb8", row_padding=-1)
+
+
+# ----------------------------------------------------------------------------- size limits before work
+def _never_decoded(monkeypatch):
+    calls = []
+    real = cv2.imdecode
+    monkeypatch.setattr(cv2, "imdecode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("ext", [".png", ".jpg"])
+@pytest.mark.parametrize("height, width, limit", [(10, 9000, "8192 px per side"), (5000, 4000, "16777216 pixels")])
+def test_compressed_size_is_checked_from_the_header_before_decoding(monkeypatch, ext, height, width, limit):
+    # A few-kB PNG can expand to gigabytes: the header's size is refused before any pixel is decoded.
+    ok, encoded = cv2.imencode(ext, np.zeros((height, width), np.uint8))
+    assert ok and encoded.size < 2_000_000
+    calls = _never_decoded(monkeypatch)
+    with pytest.raises(ImageError, match=f"image 'base_0_rgb': size {width}x{height} exceeds the limit of {limit}"):
+        decode_compressed(ext[1:], encoded.tobytes(), name="base_0_rgb")
+    assert calls == [], "cv2.imdecode ran on an oversized image"
+
+
+def test_compressed_within_the_limits_still_decodes(monkeypatch):
+    rgb = random_rgb(64, 48)
+    ok, encoded = cv2.imencode(".png", rgb[..., ::-1])
+    calls = _never_decoded(monkeypatch)
+    np.testing.assert_array_equal(decode_compressed("png", encoded.tobytes()), rgb)
+    assert calls == [1]
+
+
+def test_raw_image_pixel_count_is_bounded():
+    # Each side within 8192 px, but 8192 x 8192 x 3 bytes = 201 MB per message (and 32 buffered per slot).
+    with pytest.raises(ImageError, match="size 8192x8192 exceeds the limit of 16777216 pixels"):
+        decode_image("rgb8", 8192, 8192, 8192 * 3, b"")
+    assert decode_image("mono8", 2160, 3840, 3840, bytes(3840 * 2160)).shape == (2160, 3840, 3)   # 4K passes

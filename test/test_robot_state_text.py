@@ -172,3 +172,40 @@ def test_not_text():
         check(42)
     with pytest.raises(ConfigError, match="max_chars 0 for question must be positive"):
         check("hi", max_chars=0)
+
+
+# ----------------------------------------------------------------------------- state length bound
+def test_state_length_is_bounded_without_joint_names_or_state_dim():
+    # Unset state_dim and joint names used to accept any length: 200,000 entries cost 0.27 s per frame on
+    # the engine thread. The bound is the model's state size (ObservationNode passes its action_dim).
+    reader = StateReader(max_dim=32)
+    assert reader.from_array(np.arange(32.0)).size == 32
+    with pytest.raises(StateError, match="state has 33 values, more than the model's 32"):
+        reader.from_array(np.arange(33.0))
+    with pytest.raises(StateError, match="state has 33 values, more than the model's 32"):
+        reader.from_joint_state([], np.arange(33.0))
+
+
+def test_huge_state_messages_are_refused_before_conversion():
+    huge = array.array("d", bytes(8 * 200_000))
+    for read in (lambda: StateReader().from_array(huge), lambda: StateReader(JOINTS).from_joint_state([], huge),
+                 lambda: StateReader().from_joint_state([f"j{i}" for i in range(200_000)], huge)):
+        with pytest.raises(StateError, match="200000 values, more than the limit of 4096"):
+            read()
+
+
+def test_expected_dim_above_the_bound_is_a_config_error():
+    with pytest.raises(ConfigError, match="expected state dim 40 exceeds the model's 32"):
+        StateReader(None, expected_dim=40, max_dim=32)
+    with pytest.raises(ConfigError, match="max_dim 0 must be positive"):
+        StateReader(max_dim=0)
+
+
+def test_raw_text_is_bounded_before_cleaning():
+    # "hi" + 10 MB of NULs cleaned to "hi": the whole payload was scanned (and kept, where the raw text
+    # was stored). Raw text longer than 4x the limit is refused before any work.
+    with pytest.raises(TextError, match="question has 10000002 characters before cleaning, more than 4 x the limit of 2000"):
+        validate_text("hi" + "\x00" * 10_000_000, what="question", max_chars=2000)
+    with pytest.raises(TextError, match="before cleaning"):
+        validate_text(b"hi" + b"\x00" * 8001, what="prompt", max_chars=2000)
+    assert validate_text("  hi" + "\x00" * 7990 + " ", what="question", max_chars=2000) == "hi"

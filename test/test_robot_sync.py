@@ -252,3 +252,19 @@ def test_config_errors():
         assembler(slop_s=float("nan"))
     with pytest.raises(ConfigError, match="buffer 0 must be at least 1"):
         assembler(buffer=0)
+
+
+def test_image_buffer_is_bounded_in_bytes_too():
+    # 32 buffered 4K frames per slot would be 800 MB: the byte budget keeps the newest that fit (at least one).
+    big = np.zeros((100, 100, 3), np.uint8)                       # 30,000 bytes
+    asm = assembler(slots=[BASE], buffer=32, max_image_bytes=100_000)
+    for i in range(10):
+        asm.add_image(BASE, i * 0.1, big)
+    assert [im.stamp_s for im in asm._images[BASE]] == pytest.approx([0.7, 0.8, 0.9])
+    assert asm.stats["images_dropped"] == 7
+    asm.add_image(BASE, 1.0, np.zeros((200, 200, 3), np.uint8))  # alone above the budget: still kept
+    assert [im.stamp_s for im in asm._images[BASE]] == [1.0]
+    asm.add_state(1.0, state())
+    assert asm.poll(1.0) is not None
+    with pytest.raises(ConfigError, match="max_image_bytes 0 must be positive"):
+        assembler(max_image_bytes=0)

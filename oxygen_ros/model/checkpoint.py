@@ -99,12 +99,36 @@ def _files(path: Path) -> list[Path]:
         return [path]
     index = path / "model.safetensors.index.json"
     if index.exists():  # sharded checkpoint
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / s for s in shards]
+        return [path / s for s in _shard_names(index)]
     single = path / "model.safetensors"
     if single.exists():
         return [single]
     raise CheckpointError(f"no model.safetensors in {path} (π0.5 checkpoints are loaded from safetensors only)")
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The shard files an index names: bare file names beside it (never `../` or an absolute path)."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (ValueError, AttributeError) as e:  # JSONDecodeError, UnicodeDecodeError, not an object
+        raise CheckpointError(f"{index}: not valid JSON with a weight_map ({e})") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: has no weight_map object")
+    shards = sorted(set(map(str, weight_map.values())))
+    for name in set(weight_map.values()):
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+            raise CheckpointError(f"{index}: shard name {name!r} is not a file name in {index.parent}")
+        if not (index.parent / name).is_file():
+            raise CheckpointError(f"{index}: shard {name} not found in {index.parent}")
+    return shards
+
+
+def _open(f: Path):
+    """safe_open with a CheckpointError naming the file when it is not a readable safetensors file."""
+    try:
+        return safe_open(str(f), framework="pt", device="cpu")
+    except Exception as e:  # noqa: BLE001 - SafetensorError (not exported) or OSError: the file is unusable
+        raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
 
 
 def _listing(names, limit: int = 12) -> str:
@@ -119,7 +143,7 @@ def read_key_map(path: str | Path) -> tuple[str, dict[str, tuple[Path, str]]]:
     files = _files(Path(path))
     keys: dict[str, Path] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
+        with _open(f) as sf:
             for k in sf.keys():
                 keys[k] = f
     prefixed = [k.startswith("model.") for k in keys]
@@ -186,7 +210,7 @@ def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "c
         for name, param in expected.items():
             f, key = mapping[name]
             if f not in handles:
-                handles[f] = safe_open(str(f), framework="pt", device="cpu")
+                handles[f] = _open(f)
             shape = tuple(handles[f].get_slice(key).get_shape())
             if shape != tuple(param.shape):
                 mismatched.append(f"{key} has shape {list(shape)}, the config expects {list(param.shape)}")

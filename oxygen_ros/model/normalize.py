@@ -66,7 +66,10 @@ class Normalizer:
                 raise ValueError(f"{path}: expected one norm_stats.json (asset_id={asset_id!r}), found "
                                  f"{[str(f.relative_to(path)) for f in found] or 'none'}")
             path = found[0]
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
         stats = data.get("norm_stats", data) if isinstance(data, dict) else None
         if not isinstance(stats, dict):
             raise ValueError(f"{path}: not an openpi norm_stats.json")

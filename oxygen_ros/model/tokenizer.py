@@ -44,7 +44,10 @@ class Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer model not found: {path}")
         # A SentencePiece model is a protobuf: parsing it executes nothing.
-        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        except (RuntimeError, OSError) as e:  # sentencepiece reports a bad protobuf as RuntimeError
+            raise ValueError(f"{path}: not a SentencePiece model ({e})") from None
         self.path = path
         self.bos_id, self.eos_id, self.pad_id = self.sp.bos_id(), self.sp.eos_id(), self.sp.pad_id()
 

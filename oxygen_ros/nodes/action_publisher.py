@@ -83,6 +83,12 @@ class ActionPublisher(Node):
         self.commands = 0
         self._hold_since: float | None = None
         self._stopped_sent = False
+        self.tick_errors = 0
+        self.last_error = ""
+        self._shut_down = False
+        # One tick and a change of `enabled` never interleave: otherwise a tick that had already checked
+        # `enabled` published its command after set_enabled(False)'s final stop (shutdown race).
+        self._output_lock = threading.Lock()
 
         self.pub = self.create_publisher(OUTPUT_TYPES[p["output_type"]], p["action_topic"], 10)
         from oxygen_interfaces.msg import ActionChunk
@@ -99,6 +105,9 @@ class ActionPublisher(Node):
             self._incoming = chunk
 
     def _on_enable(self, request: SetBool.Request, response: SetBool.Response) -> SetBool.Response:
+        if request.data and self._shut_down:
+            response.success, response.message = False, "shutting down: action output stays disabled"
+            return response
         self.set_enabled(request.data)
         response.success = True
         response.message = "action output enabled" if request.data else "action output disabled"
@@ -107,14 +116,32 @@ class ActionPublisher(Node):
             self.engine.reset_fault()
         return response
 
+    def shut_down(self) -> None:
+        """The first step of a shutdown: output disabled for good (the final stop sent), before the engine
+        stops; /oxygen/enable can no longer turn it back on."""
+        self._shut_down = True
+        self.set_enabled(False)
+
     def set_enabled(self, enabled: bool) -> None:
-        """Disabling takes effect at the next tick: no command is published after it."""
-        if self.enabled and not enabled:
-            self._send_stop(self._now())
-        self.enabled = enabled
-        self.get_logger().info("action output " + ("enabled" if enabled else "disabled"))
+        """Disabling waits for a tick in progress, then sends the final stop: no command follows it."""
+        with self._output_lock:
+            if self.enabled and not enabled:
+                self._send_stop(self._now())
+            self.enabled = enabled and not self._shut_down
+        self.get_logger().info("action output " + ("enabled" if self.enabled else "disabled"))
 
     def _tick(self) -> None:
+        with self._output_lock:
+            try:
+                self._tick_locked()
+            except Exception as e:  # noqa: BLE001 - an exception would end rclpy's spin: no ticks, no stop
+                self.tick_errors += 1
+                self.last_status = "error"
+                self.last_error = f"{type(e).__name__}: {e}"
+                self.get_logger().error(f"tick failed, actions stopped: {self.last_error}", throttle_duration_sec=1.0)
+                self._send_stop(self._now())
+
+    def _tick_locked(self) -> None:
         now = self._now()
         self.rate.tick(now)
         with self._incoming_lock:
@@ -188,8 +215,10 @@ class ActionPublisher(Node):
             level, message = DiagnosticStatus.ERROR, "inputs stale: actions stopped"
         elif state == "hold_timeout":
             level, message = DiagnosticStatus.ERROR, "no fresh chunk for too long: actions stopped"
+        elif state == "error":
+            level, message = DiagnosticStatus.ERROR, f"tick failed, actions stopped: {self.last_error}"
         else:
             level, message = DiagnosticStatus.WARN, f"no command ({state})"
         values = dict(r, status=state, commands=self.commands, clamped_ticks=self.clamped_ticks,
-                      enabled=self.enabled, **self.follower.stats)
+                      enabled=self.enabled, tick_errors=self.tick_errors, **self.follower.stats)
         return [status("oxygen_ros: actions", level, message, values)]

@@ -34,12 +34,15 @@ from .action_output import ros_time
 from .engine_node import status
 from .params import Param, ParameterError, declare_all
 
+MAX_STREAM_WAIT_S = 24 * 3600.0  # longest a stream waits for its reply (the engine times requests out first)
+
 PARAMS = [
     Param("service_name", "/oxygen/converse", "Conversation service (oxygen_interfaces/srv/Converse)."),
     Param("action_name", "/oxygen/converse_stream", "Streaming conversation (oxygen_interfaces/action/Converse)."),
     Param("memory_topic", "/oxygen/memory", "Scene captions (oxygen_interfaces/msg/Caption)."),
     Param("default_max_tokens", 32, "Reply length when a request asks for 0.", minimum=1),
-    Param("default_timeout_s", 30.0, "Request timeout when a request asks for 0.", minimum=0.1),
+    Param("default_timeout_s", 30.0, "Request timeout when a request asks for 0.", minimum=0.1,
+          maximum=MAX_STREAM_WAIT_S),
     Param("request_queue_depth", 1000, "Service request queue in the middleware (keep-last depth).", minimum=1),
     Param("max_streams", 8, "Concurrent streaming goals (each holds one executor thread while it streams).",
           minimum=1),
@@ -114,9 +117,13 @@ class ConversationService(Node):
         self._reply_ready = self.create_guard_condition(self._send_replies,
                                                         callback_group=MutuallyExclusiveCallbackGroup())
 
+        # The action's goal, result and cancel services are services too: with rclpy's default keep-last-10
+        # (here and in the client) a burst of 26 result requests lost 16, whose clients waited forever
+        # (test_ros_fuzz.py).
         self.action_server = ActionServer(
             self, ConverseAction, self.p["action_name"], execute_callback=self._execute_stream,
-            goal_callback=self._on_goal, cancel_callback=self._on_cancel, callback_group=ReentrantCallbackGroup())
+            goal_callback=self._on_goal, cancel_callback=self._on_cancel, callback_group=ReentrantCallbackGroup(),
+            goal_service_qos_profile=qos, result_service_qos_profile=qos, cancel_service_qos_profile=qos)
 
         self.memory_pub = self.create_publisher(CaptionMsg, self.p["memory_topic"], 10)
         self._captions: queue.SimpleQueue = queue.SimpleQueue()
@@ -139,7 +146,11 @@ class ConversationService(Node):
             request = self._text_request(r)
         except ValueError as e:  # an empty or invalid question, top_p out of range, a too long session id...
             return refused(TextRequest(r.text), str(e))
-        return self.engine.submit(request)
+        try:
+            return self.engine.submit(request)
+        except Exception as e:  # noqa: BLE001 - escaping the callback would stop the services executor
+            self.get_logger().error(f"engine refused a request: {type(e).__name__}: {e}", throttle_duration_sec=1.0)
+            return refused(request, f"engine error: {type(e).__name__}: {e}")
 
     def _record(self, r, reply: Reply) -> None:
         """Keep a successful turn in its session: the cleaned question, not the raw request text."""
@@ -183,14 +194,17 @@ class ConversationService(Node):
 
     # ------------------------------------------------------------------ streaming action
     def _on_goal(self, goal) -> GoalResponse:
+        """An early refusal only: the slot is taken when the goal executes. rclpy drops an accepted goal
+        without executing it when its response cannot be sent (client gone); a slot taken here leaked."""
         with self._streams_lock:
-            if self._stream_slots >= self.p["max_streams"]:
-                self.counts["streams_rejected"] += 1
-                self.get_logger().warning(f"streaming goal rejected: {self._stream_slots} streams already active "
-                                          f"(max_streams={self.p['max_streams']})", throttle_duration_sec=1.0)
-                return GoalResponse.REJECT
-            self._stream_slots += 1
-        return GoalResponse.ACCEPT
+            full = self._stream_slots >= self.p["max_streams"]
+        return GoalResponse.REJECT if full and self._refuse_stream() else GoalResponse.ACCEPT
+
+    def _refuse_stream(self) -> str:
+        self.counts["streams_rejected"] += 1
+        error = f"busy: {self._stream_slots} streams already active (max_streams={self.p['max_streams']})"
+        self.get_logger().warning(f"streaming goal rejected: {error}", throttle_duration_sec=1.0)
+        return error
 
     def _on_cancel(self, goal_handle) -> CancelResponse:
         with self._streams_lock:
@@ -200,22 +214,19 @@ class ConversationService(Node):
         return CancelResponse.ACCEPT
 
     def _execute_stream(self, goal_handle):
-        key = bytes(goal_handle.goal_id.uuid)
-        handle = self._submit(goal_handle.request)
         with self._streams_lock:
-            self._streams[key] = handle
-        self.counts["streams"] += 1
+            full = self._stream_slots >= self.p["max_streams"]
+            self._stream_slots += not full
+        if full:  # accepted together with others while the last slots filled
+            goal_handle.abort()
+            return self._ConverseAction.Result(success=False, error=self._refuse_stream(), finish_reason="refused")
+        key = bytes(goal_handle.goal_id.uuid)
         try:
-            timeout = (float(goal_handle.request.timeout_s) or self.p["default_timeout_s"]) + 5.0
-            try:
-                for partial in handle.partials(timeout=timeout):
-                    goal_handle.publish_feedback(
-                        self._ConverseAction.Feedback(partial_reply=partial.text, tokens=partial.tokens))
-                    if goal_handle.is_cancel_requested:
-                        handle.cancel()
-            except (TimeoutError, ValueError):   # no progress in time, or a NaN timeout (partials cancels)
-                handle.cancel()
-            reply = handle.result(timeout=10.0)
+            handle = self._submit(goal_handle.request)
+            with self._streams_lock:
+                self._streams[key] = handle
+            self.counts["streams"] += 1
+            reply = self._stream(goal_handle, handle)
         finally:
             with self._streams_lock:
                 self._streams.pop(key, None)
@@ -229,6 +240,26 @@ class ConversationService(Node):
         else:
             goal_handle.abort()
         return result
+
+    def _stream(self, goal_handle, handle) -> Reply:
+        """Feedback for every partial reply; the engine request is cancelled on any way out but its end."""
+        # The wait is only a safety net behind the engine's own timeout: finite whatever the request says
+        # (NaN, inf or 1e300 would make the wait raise instead of time out).
+        timeout_s = float(goal_handle.request.timeout_s)
+        if not 0 < timeout_s <= MAX_STREAM_WAIT_S:
+            timeout_s = self.p["default_timeout_s"]
+        try:
+            for partial in handle.partials(timeout=timeout_s + 5.0):
+                goal_handle.publish_feedback(
+                    self._ConverseAction.Feedback(partial_reply=partial.text, tokens=partial.tokens))
+                if goal_handle.is_cancel_requested:
+                    handle.cancel()
+        except TimeoutError:
+            handle.cancel()
+        except BaseException:
+            handle.cancel()
+            raise
+        return handle.result(timeout=10.0)
 
     # ------------------------------------------------------------------ memory
     def _publish_captions(self) -> None:

@@ -48,7 +48,9 @@ def params_for(slots) -> list[Param]:
         Param("max_prompt_chars", 500, "Longest prompt accepted.", minimum=1),
         Param("slop_s", 0.05, "Largest |image stamp - state stamp| that pairs them.", minimum=0.0),
         Param("missing_after_s", 0.5, "An optional camera silent this long is masked.", minimum=0.0),
-        Param("buffer", 32, "Messages kept per stream for synchronisation.", minimum=1),
+        Param("buffer", 32, "Messages kept per stream for synchronisation.", minimum=1, maximum=10_000),
+        Param("image_buffer_mb", 256.0, "Most image memory kept per camera slot (the newest images that fit).",
+              minimum=1.0),
         Param("stale_after_s", 0.5, "No complete observation for this long: inputs are stale.", minimum=0.01),
     ]
 
@@ -67,11 +69,15 @@ class ObservationNode(Node):
         joint_names = [j for j in self.p["joint_names"] if j]
         if joint_names and self.p["state_dim"] and len(joint_names) != self.p["state_dim"]:
             problems.append(f"joint_names has {len(joint_names)} joints but state_dim is {self.p['state_dim']}")
+        max_state = engine.runner.cfg.action_dim  # π0.5 pads the state to action_dim: nothing longer fits
+        if max(len(joint_names), self.p["state_dim"]) > max_state:
+            problems.append(f"state of {max(len(joint_names), self.p['state_dim'])} values (joint_names/state_dim) "
+                            f"exceeds the model's {max_state}")
         if problems:
             raise ParameterError("\n".join(problems))
         self.assembler = ObservationAssembler(self.slots, required, self.p["slop_s"], self.p["missing_after_s"],
-                                              self.p["buffer"])
-        self.reader = StateReader(joint_names or None, self.p["state_dim"] or None)
+                                              self.p["buffer"], int(self.p["image_buffer_mb"] * (1 << 20)))
+        self.reader = StateReader(joint_names or None, self.p["state_dim"] or None, max_dim=max_state)
         if self.p["prompt"]:
             self.assembler.set_prompt(validate_text(self.p["prompt"], what="prompt",
                                                     max_chars=self.p["max_prompt_chars"]))
@@ -94,10 +100,12 @@ class ObservationNode(Node):
         self.create_timer(0.1, self._poll, callback_group=group)
 
     # ------------------------------------------------------------------ callbacks
+    # An exception escaping a callback would end rclpy's spin and with it every input (a bug's, not the
+    # input's): any error is counted and logged like bad input, and the next message is read.
     def _on_image(self, slot: str, msg) -> None:
         try:
             self.assembler.add_image(slot, _stamp_s(msg.header), image_from_msg(msg, name=slot))
-        except InputError as e:
+        except Exception as e:  # noqa: BLE001
             self._bad(e)
             return
         self._poll()
@@ -111,32 +119,37 @@ class ObservationNode(Node):
                 vec = self.reader.from_array(msg.data)
                 stamp = self._now()  # Float64MultiArray has no header: stamped on arrival
             self.assembler.add_state(stamp, vec)
-        except InputError as e:
+        except Exception as e:  # noqa: BLE001
             self._bad(e)
             return
         self._poll()
 
     def _on_prompt(self, msg: String) -> None:
         try:
-            self.assembler.set_prompt(validate_text(msg.data, what="prompt", max_chars=self.p["max_prompt_chars"]))
-            self.get_logger().info(f"task prompt: {msg.data!r}")
-        except InputError as e:
+            prompt = validate_text(msg.data, what="prompt", max_chars=self.p["max_prompt_chars"])
+            self.assembler.set_prompt(prompt)
+        except Exception as e:  # noqa: BLE001
             self._bad(e)
+            return
+        self.get_logger().info(f"task prompt: {prompt!r}")   # the cleaned text, never the raw payload
 
     def _poll(self) -> None:
-        obs = self.assembler.poll(self._now())
-        if obs is not None:
-            self.engine.submit_observation(obs)
-            self.observations += 1
-            self.watch.seen(self._now())
+        try:
+            obs = self.assembler.poll(self._now())
+            if obs is not None:
+                self.engine.submit_observation(obs)
+                self.observations += 1
+                self.watch.seen(self._now())
+        except Exception as e:  # noqa: BLE001
+            self._bad(e)
 
     # ------------------------------------------------------------------ helpers
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
 
-    def _bad(self, error: InputError) -> None:
+    def _bad(self, error: Exception) -> None:
         self.bad_inputs += 1
-        self.last_error = str(error)
+        self.last_error = str(error) if isinstance(error, InputError) else f"{type(error).__name__}: {error}"
         self.get_logger().warning(f"input rejected: {error}", throttle_duration_sec=1.0)
 
     def inputs_fresh(self) -> bool:

@@ -1,10 +1,12 @@
 """Declaring ROS parameters the ros2/examples way (defaults and descriptions), read back as plain values.
 
 Problems are collected, not raised one by one, so a node that refuses to start lists every bad
-parameter in one message.
+parameter in one message. Parameters are read-only by default: a node that reads its values once, at
+start, would report success for a change at run time and change nothing; rclpy refuses it with a reason.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,9 +27,10 @@ class Param:
     maximum: float | None = None
 
 
-def declare_all(node, specs: list[Param]) -> tuple[dict[str, Any], list[str]]:
+def declare_all(node, specs: list[Param], read_only: bool = True) -> tuple[dict[str, Any], list[str]]:
     """Declare `specs` on `node`; return ({name: value}, problems): every value outside its choices or
-    range, one line each. The node adds its own consistency checks and raises ParameterError once."""
+    range, one line each. The node adds its own consistency checks and raises ParameterError once.
+    read_only=False only for a node that reads its parameters again (a lifecycle node's configure)."""
     values, problems = {}, []
     for p in specs:
         desc = p.description
@@ -35,7 +38,8 @@ def declare_all(node, specs: list[Param]) -> tuple[dict[str, Any], list[str]]:
             desc += f" One of: {', '.join(map(str, p.choices))}."
         # Empty-list defaults cannot carry their element type in rclpy: accept any type, check below.
         dynamic = isinstance(p.default, list) and not p.default
-        node.declare_parameter(p.name, p.default, ParameterDescriptor(description=desc, dynamic_typing=dynamic))
+        node.declare_parameter(p.name, p.default,
+                               ParameterDescriptor(description=desc, dynamic_typing=dynamic, read_only=read_only))
         value = node.get_parameter(p.name).value
         if isinstance(p.default, list) and value is None:
             value = []
@@ -44,11 +48,24 @@ def declare_all(node, specs: list[Param]) -> tuple[dict[str, Any], list[str]]:
             kind = type(p.default[0]) if p.default else None
             if kind is float:
                 value = [float(v) for v in value]
-        if p.choices and value not in p.choices:
-            problems.append(f"{node.get_name()}.{p.name} = {value!r}: must be one of {list(p.choices)}")
-        if p.minimum is not None and value < p.minimum:
-            problems.append(f"{node.get_name()}.{p.name} = {value!r}: must be >= {p.minimum}")
-        if p.maximum is not None and value > p.maximum:
-            problems.append(f"{node.get_name()}.{p.name} = {value!r}: must be <= {p.maximum}")
         values[p.name] = value
+        problem = _problem(p, value)
+        if problem:
+            problems.append(f"{node.get_name()}.{p.name} = {value!r}: {problem}")
     return values, problems
+
+
+def _problem(p: Param, value: Any) -> str | None:
+    """What is wrong with `value` for `p`, or None. NaN compares false with everything, so it is refused
+    before any range check (`hold_timeout_s: .nan` would otherwise mean 'hold forever')."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number"
+    if isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v) for v in value):
+        return "every entry must be a finite number"
+    if p.choices and value not in p.choices:
+        return f"must be one of {list(p.choices)}"
+    if p.minimum is not None and value < p.minimum:
+        return f"must be >= {p.minimum}"
+    if p.maximum is not None and value > p.maximum:
+        return f"must be <= {p.maximum}"
+    return None

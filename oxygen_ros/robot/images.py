@@ -11,16 +11,19 @@ One path here means one behaviour on every machine.
 
 from __future__ import annotations
 
+import io
 import operator
 from dataclasses import dataclass
 from typing import Any
 
 import cv2
 import numpy as np
+import PIL.Image
 
 from .errors import ImageError
 
 MAX_SIDE = 8192  # px per side; anything larger is a corrupt header, not a camera
+MAX_PIXELS = 4096 * 4096  # 16.8 MP (a 4K camera is 8.3 MP): 50 MB as RGB, checked before any decoding
 
 
 @dataclass(frozen=True)
@@ -104,8 +107,7 @@ def decode_image(
     step = _as_int(step, "step", label)
     if height <= 0 or width <= 0:
         raise ImageError(f"{label}: size {width}x{height} (width x height) is empty; both must be positive")
-    if height > MAX_SIDE or width > MAX_SIDE:
-        raise ImageError(f"{label}: size {width}x{height} exceeds the limit of {MAX_SIDE} px per side")
+    _check_size(width, height, label)
     row_bytes = width * layout.pixel_bytes
     if step < row_bytes:
         raise ImageError(
@@ -127,25 +129,47 @@ def decode_image(
     return np.ascontiguousarray(pixels[..., list(layout.rgb)])
 
 
+def _check_size(width: int, height: int, label: str) -> None:
+    if height > MAX_SIDE or width > MAX_SIDE:
+        raise ImageError(f"{label}: size {width}x{height} exceeds the limit of {MAX_SIDE} px per side")
+    if height * width > MAX_PIXELS:
+        raise ImageError(f"{label}: size {width}x{height} exceeds the limit of {MAX_PIXELS} pixels")
+
+
+def _header_size(buf: np.ndarray) -> tuple[int, int] | None:
+    """(width, height) from a compressed image's header, without decoding a pixel; None if unreadable.
+    Pillow's open() parses only the header (decoding is lazy); OpenCV has no header-only read."""
+    try:
+        with PIL.Image.open(io.BytesIO(buf.tobytes())) as header:
+            return header.size
+    except Exception:  # noqa: BLE001 - any parse failure of untrusted bytes means: not an image we read
+        return None
+
+
 def decode_compressed(format: str, data: Any, *, name: str | None = None) -> np.ndarray:
     """sensor_msgs/CompressedImage (jpeg, png) -> new HxWx3 uint8 RGB array.
 
-    OpenCV recognises the container from the bytes; `format` only labels error messages.
+    The size in the header is checked before decoding (a few-kB PNG can expand to gigabytes). The
+    container is recognised from the bytes; `format` only labels error messages.
     """
     label = _label(name)
     buf = _as_bytes(data, label)
     described = f"format {format!r}, {buf.size} bytes"
     if buf.size == 0:
         raise ImageError(f"{label}: compressed image has no data ({described})")
+    size = _header_size(buf)
+    if size is None:
+        raise ImageError(f"{label}: could not decode compressed image ({described})")
+    _check_size(*size, label)
     try:
         bgr = cv2.imdecode(buf, cv2.IMREAD_COLOR)  # always 8-bit, 3 channels (gray replicated)
     except cv2.error:
         bgr = None
     if bgr is None:
         raise ImageError(f"{label}: could not decode compressed image ({described})")
-    height, width = bgr.shape[:2]
-    if height > MAX_SIDE or width > MAX_SIDE:
-        raise ImageError(f"{label}: size {width}x{height} exceeds the limit of {MAX_SIDE} px per side")
+    if bgr.shape[1::-1] != size:  # the decoder disagrees with the header it was checked by
+        raise ImageError(f"{label}: decoded size {bgr.shape[1]}x{bgr.shape[0]} differs from the header's "
+                         f"{size[0]}x{size[1]} ({described})")
     return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
 
 

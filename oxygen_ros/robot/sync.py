@@ -49,7 +49,9 @@ class ObservationAssembler:
     once its newest image is more than `missing_after_s` older than now (camera gone); until then
     the assembler waits for it. buffer: how many images per slot and states are kept; the state
     buffer must span the cameras' latency (state rate x latency, e.g. 100 Hz x 0.15 s = 15), or a
-    lagging camera finds no state left to pair with.
+    lagging camera finds no state left to pair with. max_image_bytes: each slot's image buffer also
+    stays within this many bytes (the newest images that fit; at least one), so a high-resolution camera
+    cannot make the buffer hold gigabytes.
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class ObservationAssembler:
         slop_s: float,
         missing_after_s: float,
         buffer: int = 16,
+        max_image_bytes: int = 256 << 20,
     ):
         slots = list(slots)
         required = set(required_slots)
@@ -73,11 +76,14 @@ class ObservationAssembler:
             raise ConfigError(f"slop_s {slop_s} and missing_after_s {missing_after_s} must be >= 0")
         if buffer < 1:
             raise ConfigError(f"buffer {buffer} must be at least 1")
+        if max_image_bytes <= 0:
+            raise ConfigError(f"max_image_bytes {max_image_bytes} must be positive")
         self.slots = slots
         self.required_slots = required
         self.slop_s = float(slop_s)
         self.missing_after_s = float(missing_after_s)
         self.buffer = buffer
+        self.max_image_bytes = max_image_bytes
         self._images: dict[str, deque[_Stamped]] = {s: deque() for s in slots}
         self._newest_image_s: dict[str, float | None] = {s: None for s in slots}
         self._states: deque[_Stamped] = deque()  # increasing stamps
@@ -110,6 +116,8 @@ class ObservationAssembler:
         if len(images) == self.buffer:
             self._count_dropped_image(images.popleft())
         images.append(_Stamped(stamp_s, rgb))
+        while len(images) > 1 and sum(im.value.nbytes for im in images) > self.max_image_bytes:
+            self._count_dropped_image(images.popleft())
 
     def add_state(self, stamp_s: float, vec: np.ndarray) -> None:
         stamp_s = _stamp(stamp_s, "state")

@@ -10,6 +10,9 @@ from .errors import ConfigError, TextError
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 # Lone surrogates: what undecodable bytes become in a str (Python's surrogateescape, some middlewares).
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# Raw text may carry whitespace and control characters that cleaning removes, but not without bound: a
+# payload longer than this many times the limit is refused before it is decoded or scanned.
+RAW_FACTOR = 4
 
 
 def validate_text(text: str | bytes, *, what: str, max_chars: int) -> str:
@@ -20,6 +23,9 @@ def validate_text(text: str | bytes, *, what: str, max_chars: int) -> str:
     """
     if max_chars <= 0:
         raise ConfigError(f"max_chars {max_chars} for {what} must be positive")
+    if isinstance(text, (str, bytes, bytearray, memoryview)) and len(text) > RAW_FACTOR * max_chars:
+        raise TextError(f"{what} has {len(text)} characters before cleaning, more than {RAW_FACTOR} x the limit "
+                        f"of {max_chars}")
     if isinstance(text, (bytes, bytearray, memoryview)):
         try:
             text = bytes(text).decode("utf-8")
