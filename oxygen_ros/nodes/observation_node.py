@@ -16,6 +16,7 @@ from std_msgs.msg import Float64MultiArray, String
 from oxygen_ros.engine.engine import Engine
 from oxygen_ros.robot.errors import InputError
 from oxygen_ros.robot.images import image_from_msg
+from oxygen_ros.robot.stamps import StampCheck
 from oxygen_ros.robot.state import StateReader
 from oxygen_ros.robot.sync import ObservationAssembler
 from oxygen_ros.robot.text import validate_text
@@ -50,6 +51,11 @@ def params_for(slots) -> list[Param]:
         Param("missing_after_s", 0.5, "An optional camera silent this long is masked.", minimum=0.0),
         Param("buffer", 32, "Messages kept per stream for synchronisation.", minimum=1),
         Param("stale_after_s", 0.5, "No complete observation for this long: inputs are stale.", minimum=0.01),
+        # Stamps come from the robot's clock, which may be another host's (robot/stamps.py: the policy).
+        Param("max_stamp_age_s", 0.5, "Reject camera/state messages whose stamp is older than this (0: no check).",
+              minimum=0.0),
+        Param("max_stamp_future_s", 0.05, "Reject stamps further ahead of this host's clock than this "
+              "(clock synchronisation residual).", minimum=0.0),
     ]
 
 
@@ -72,6 +78,7 @@ class ObservationNode(Node):
         self.assembler = ObservationAssembler(self.slots, required, self.p["slop_s"], self.p["missing_after_s"],
                                               self.p["buffer"])
         self.reader = StateReader(joint_names or None, self.p["state_dim"] or None)
+        self.stamps = StampCheck(self.p["max_stamp_age_s"], self.p["max_stamp_future_s"])
         if self.p["prompt"]:
             self.assembler.set_prompt(validate_text(self.p["prompt"], what="prompt",
                                                     max_chars=self.p["max_prompt_chars"]))
@@ -96,7 +103,9 @@ class ObservationNode(Node):
     # ------------------------------------------------------------------ callbacks
     def _on_image(self, slot: str, msg) -> None:
         try:
-            self.assembler.add_image(slot, _stamp_s(msg.header), image_from_msg(msg, name=slot))
+            stamp = _stamp_s(msg.header)
+            self.stamps.check(f"image {slot!r}", stamp, self._now())
+            self.assembler.add_image(slot, stamp, image_from_msg(msg, name=slot))
         except InputError as e:
             self._bad(e)
             return
@@ -105,8 +114,9 @@ class ObservationNode(Node):
     def _on_state(self, msg) -> None:
         try:
             if isinstance(msg, JointState):
-                vec = self.reader.from_joint_state(list(msg.name), msg.position)
                 stamp = _stamp_s(msg.header)
+                self.stamps.check("state", stamp, self._now())
+                vec = self.reader.from_joint_state(list(msg.name), msg.position)
             else:
                 vec = self.reader.from_array(msg.data)
                 stamp = self._now()  # Float64MultiArray has no header: stamped on arrival
@@ -149,6 +159,7 @@ class ObservationNode(Node):
         level = DiagnosticStatus.ERROR if stale else DiagnosticStatus.OK
         message = (f"no complete observation for {age:.2f} s" if self.watch.last_s is not None
                    else "no observation yet") if stale else "receiving"
-        values = dict(self.assembler.stats, observations=self.observations, bad_inputs=self.bad_inputs,
+        values = dict(self.assembler.stats, **self.stamps.stats, **self.stamps.age_summary(),
+                      observations=self.observations, bad_inputs=self.bad_inputs,
                       observation_age_s=age, stale_transitions=self.watch.transitions, last_error=self.last_error)
         return [status("oxygen_ros: inputs", level, message, values)]
