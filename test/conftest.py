@@ -92,3 +92,6 @@ def obs():
 def pytest_configure(config):
     # Tests import the package from the checkout (editable install); make that explicit for subprocesses.
     sys.path.insert(0, str(REPO))
+    # Rate-, timing- and RSS-bound tests: run in CI like the rest, with slack that a loaded 2-core machine
+    # respects; `-m "not timing"` leaves them out, `-m timing` runs them alone (to rerun a failure in quiet).
+    config.addinivalue_line("markers", "timing: bound by wall-clock rate, latency or memory (slack for a loaded machine)")
