@@ -103,9 +103,10 @@ class ObservationNode(Node):
     # ------------------------------------------------------------------ callbacks
     def _on_image(self, slot: str, msg) -> None:
         try:
+            rgb = image_from_msg(msg, name=slot)   # a malformed message is reported as such, whatever its stamp
             stamp = _stamp_s(msg.header)
             self.stamps.check(f"image {slot!r}", stamp, self._now())
-            self.assembler.add_image(slot, stamp, image_from_msg(msg, name=slot))
+            self.assembler.add_image(slot, stamp, rgb)
         except InputError as e:
             self._bad(e)
             return
@@ -114,9 +115,9 @@ class ObservationNode(Node):
     def _on_state(self, msg) -> None:
         try:
             if isinstance(msg, JointState):
+                vec = self.reader.from_joint_state(list(msg.name), msg.position)
                 stamp = _stamp_s(msg.header)
                 self.stamps.check("state", stamp, self._now())
-                vec = self.reader.from_joint_state(list(msg.name), msg.position)
             else:
                 vec = self.reader.from_array(msg.data)
                 stamp = self._now()  # Float64MultiArray has no header: stamped on arrival
