@@ -58,6 +58,8 @@ cp -r "$ROOT/kernels" "$STAGE/oxygen_ros/kernels"
 for oracle in "$ROOT/.gpu/oracle" "$ROOT/../shared/oracle"; do
   if [[ -d "$oracle" ]]; then ln -s "$oracle" "$WORK/shared/oracle"; break; fi
 done
+[[ -e "$WORK/shared/oracle" ]] || echo "WARNING: no oracle cases (.gpu/oracle: run scripts/gpu_prepare.sh and carry .gpu):" \
+  "the oracle tests of kernel_tests will fail" | tee -a "$OUT/steps.log"
 cd "$STAGE"
 
 summary() {
