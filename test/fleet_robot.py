@@ -2,15 +2,17 @@
 JPEG CompressedImage at 15 Hz and a JointState at 50 Hz, published best effort as over a lossy link; the
 commands from /oxygen/action and the chunks from /oxygen/action_chunk received best effort; one
 /oxygen/converse call once actions flow; the engine's inputs diagnostic. Two phases: `synced` (stamps from
-this host's clock), then `skewed` (stamps --skew-s ahead, as from a robot whose clock is not synchronised
-with the engine's). Writes what it saw as JSON.
+this host's clock), optionally a link outage (--outage-veth: the interface down, then up), then `skewed`
+(stamps --skew-s ahead, as from a robot whose clock is not synchronised with the engine's). Writes what it
+saw as JSON.
 
-    python test/fleet_robot.py --json OUT.json [--min-window-s 6] [--skewed-s 4] [--skew-s 2]
+    python test/fleet_robot.py --json OUT.json [--min-window-s 6] [--outage-veth IF] [--skewed-s 4] [--skew-s 2]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import threading
 import time
 
@@ -42,7 +44,7 @@ class Robot:
         self.skew_s = 0.0
         self.phase = "synced"
         self.lock = threading.RLock()
-        self.state_stamps: set[int] = set()               # microseconds: the engine keeps stamps as float s
+        self.state_sent: dict[int, float] = {}            # stamp in microseconds (the engine keeps float s) -> sent at
         self.actions: list[tuple[float, str, bool]] = []  # (arrival, phase, all finite)
         self.chunks: list[dict] = []
         self.inputs: dict[str, dict] = {}                 # phase -> last inputs diagnostic
@@ -73,14 +75,14 @@ class Robot:
         msg = JointState(name=JOINTS, position=[0.3 * np.sin(self.t + i) for i in range(6)] + [0.5])
         msg.header.stamp = self._stamp()
         with self.lock:
-            self.state_stamps.add(_micros(msg.header.stamp))
+            self.state_sent[_micros(msg.header.stamp)] = time.monotonic()
         self.joints.publish(msg)
 
-    def sent_state(self, stamp) -> bool:
-        """Whether `stamp` is one of the states this robot sent (to float rounding of the stamp)."""
+    def sent_state(self, stamp) -> float | None:
+        """When this robot sent the state stamped `stamp` (to float rounding of the stamp); None: not ours."""
         us = _micros(stamp)
         with self.lock:
-            return any(us + d in self.state_stamps for d in (-1, 0, 1))
+            return next((self.state_sent[us + d] for d in (-1, 0, 1) if us + d in self.state_sent), None)
 
     def _on_action(self, msg):
         with self.lock:
@@ -88,7 +90,8 @@ class Robot:
 
     def _on_chunk(self, msg):
         with self.lock:
-            self.chunks.append({"phase": self.phase, "ours": self.sent_state(msg.header.stamp),
+            self.chunks.append({"phase": self.phase, "arrived": time.monotonic(),
+                                "state_sent": self.sent_state(msg.header.stamp),
                                 "horizon": msg.horizon, "dim": msg.dim,
                                 "compute_latency_s": msg.compute_latency_s})
 
@@ -101,12 +104,42 @@ class Robot:
                                                **{kv.key: kv.value for kv in st.values}}
 
 
+def link_outage(robot: Robot, veth: str, seconds: float, timeout_s: float) -> dict:
+    """The link down for `seconds`, then up: how long until commands, and a chunk computed from a fresh
+    observation, arrive again, and what the engine's inputs diagnostic says then."""
+    with robot.lock:
+        robot.phase = "outage"
+    subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+    time.sleep(seconds)
+    with robot.lock:
+        robot.phase = "recovered"
+    up = time.monotonic()
+    subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+
+
+    def fresh_chunks():   # computed from a state sent after the link came back (older ones may be re-sent)
+        return [c for c in robot.chunks if c["state_sent"] is not None and c["state_sent"] >= up]
+
+    while time.monotonic() - up < timeout_s and not fresh_chunks():
+        time.sleep(0.02)
+    time.sleep(1.5)    # one diagnostics period after the resumption
+    with robot.lock:
+        resumed = [t for t, phase, _ in robot.actions if phase == "recovered"]
+        fresh = fresh_chunks()
+        return {"seconds": seconds, "actions_during": sum(phase == "outage" for _, phase, _ in robot.actions),
+                "commands_after_s": resumed[0] - up if resumed else None,
+                "fresh_chunk_after_s": fresh[0]["arrived"] - up if fresh else None,
+                "inputs_after": robot.inputs.get("recovered")}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", required=True)
     p.add_argument("--min-window-s", type=float, default=6.0, help="seconds of actions the rate is measured over")
     p.add_argument("--skewed-s", type=float, default=4.0, help="length of the skewed phase")
     p.add_argument("--skew-s", type=float, default=2.0, help="how far ahead the skewed stamps are")
+    p.add_argument("--outage-veth", default=None, help="take this interface down for --outage-s after the synced phase")
+    p.add_argument("--outage-s", type=float, default=2.0)
     p.add_argument("--timeout-s", type=float, default=90.0)
     a = p.parse_args()
     rclpy.init()
@@ -134,7 +167,9 @@ def main() -> int:
             r = future.result()
             result["converse"] = {"success": r.success, "reply": r.reply, "error": r.error, "tokens": r.tokens,
                                   "frame_index": r.frame_index, "answered_after_s": time.monotonic() - asked,
-                                  "frame_stamped_by_us": robot.sent_state(r.frame_stamp)}
+                                  "frame_stamped_by_us": robot.sent_state(r.frame_stamp) is not None}
+        if a.outage_veth:
+            result["outage"] = link_outage(robot, a.outage_veth, a.outage_s, a.timeout_s)
         with robot.lock:
             robot.phase, robot.skew_s = "skewed", a.skew_s
         skew_start = time.monotonic()
@@ -150,7 +185,7 @@ def main() -> int:
                 skewed_actions_after_s=[round(t - skew_start, 3) for t, phase, _ in robot.actions if phase == "skewed"],
                 skewed_s=a.skewed_s,
                 chunks_synced=[c for c in robot.chunks if c["phase"] == "synced"][-5:],
-                chunks_stamped_by_us=sum(c["ours"] for c in robot.chunks if c["phase"] == "synced"),
+                chunks_stamped_by_us=sum(c["state_sent"] is not None for c in robot.chunks if c["phase"] == "synced"),
                 chunks_total_synced=sum(c["phase"] == "synced" for c in robot.chunks),
                 inputs=robot.inputs)
     finally:

@@ -1,5 +1,5 @@
 """The engine and a robot's drivers on two hosts, over DDS only: two network namespaces joined by a veth
-pair, made here (root), with nothing but loopback and that pair in them. The engine host runs
+pair, made here (root), with nothing but loopback and that pair in them; the pair also goes down for 2 s. The engine host runs
 oxygen_bringup (tiny model); the robot host runs test/fleet_robot.py: JPEG cameras and joint states out
 (best effort), commands and chunks in (best effort), one conversation call. Discovery is configured as
 on a network where multicast does not cross: ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST plus
@@ -98,7 +98,8 @@ oxygen_observation:
         sent_before = {ns: hosts.bytes_sent(ns) for ns in (hosts.engine, hosts.robot)}
         env = dict(os.environ, ROS_DOMAIN_ID=str(domain), PYTHONUNBUFFERED="1", **hosts.dds_env(ENGINE_IP))
         robot = subprocess.run([*hosts.exec_prefix(hosts.robot), sys.executable, str(REPO / "test" / "fleet_robot.py"),
-                                "--json", str(out), "--min-window-s", "6", "--skewed-s", "4", "--skew-s", "2"],
+                                "--json", str(out), "--min-window-s", "6", "--outage-veth", hosts.veth[hosts.robot],
+                                "--outage-s", "2", "--skewed-s", "4", "--skew-s", "2"],
                                env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
         sent = {ns: hosts.bytes_sent(ns) - sent_before[ns] for ns in sent_before}
     finally:
@@ -121,6 +122,14 @@ oxygen_observation:
     assert synced["message"] == "receiving" and synced["stamps_future"] == "0", synced
     # Every byte went over the pair: cameras (2 x 15 Hz JPEG) one way, 70 Hz commands the other.
     assert sent[hosts.robot] > 1_000_000 and sent[hosts.engine] > 100_000, sent
+
+    # The link down for 2 s, then up: nothing crosses while it is down; the engine's inputs went stale (its
+    # actions stopped) and everything resumes by itself, with the same DDS participants, once it is up.
+    outage = r["outage"]
+    assert outage["actions_during"] <= 2, outage          # at most what was in flight when it went down
+    assert outage["fresh_chunk_after_s"] is not None and outage["fresh_chunk_after_s"] < 5.0, outage
+    assert outage["commands_after_s"] is not None, outage
+    assert int(outage["inputs_after"]["stale_transitions"]) >= 1 and outage["inputs_after"]["message"] == "receiving"
 
     # Robot clock 2 s ahead: every stamp rejected and counted, inputs stale, actions stop within
     # stale_after_s (0.5 s) plus a few ticks, and stay stopped.
