@@ -1,12 +1,13 @@
 """The engine and a robot's drivers on two hosts, over DDS only: two network namespaces joined by a veth
-pair, made here (root), with nothing but loopback and that pair in them; the pair also goes down for 2 s. The engine host runs
+pair, made here (root), with nothing but loopback and that pair in them. The engine host runs
 oxygen_bringup (tiny model); the robot host runs test/fleet_robot.py: JPEG cameras and joint states out
 (best effort), commands and chunks in (best effort), one conversation call. Discovery is configured as
 on a network where multicast does not cross: ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST plus
 ROS_STATIC_PEERS=<the other host>; FASTDDS_BUILTIN_TRANSPORTS=UDPv4 keeps Fast DDS off shared memory, so
-every byte crosses the veth (asserted from its counters). The hosts share one kernel clock; the second
-phase skews the robot's stamps 2 s ahead, as a robot whose clock is not synchronised, and the engine
-must reject them and stop the actions (docs/fleet.md)."""
+every byte crosses the veth (asserted from its counters). Then the veth goes down for 2 s and everything
+must resume by itself. The hosts share one kernel clock; the last phase skews the robot's stamps 2 s
+ahead, as from a robot whose clock is not synchronised, and the engine must reject them and stop the
+actions (docs/fleet.md)."""
 from __future__ import annotations
 
 import json
@@ -48,10 +49,12 @@ class TwoHosts:
                 self.close()
                 raise RuntimeError(f"ip {' '.join(step)}: {r.stderr.strip()}")
 
-    def exec_prefix(self, ns: str) -> tuple:
+    @staticmethod
+    def exec_prefix(ns: str) -> tuple:
         return ("ip", "netns", "exec", ns)
 
-    def dds_env(self, peer_ip: str) -> dict:
+    @staticmethod
+    def dds_env(peer_ip: str) -> dict:
         return {"ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST", "ROS_STATIC_PEERS": peer_ip,
                 "FASTDDS_BUILTIN_TRANSPORTS": "UDPv4"}
 
@@ -78,12 +81,12 @@ def hosts():
 
 def test_engine_and_robot_on_two_hosts_over_dds(hosts, tmp_path):
     overrides = tmp_path / "fleet.yaml"
-    overrides.write_text(f"""
+    overrides.write_text("""
 oxygen_observation:
   ros__parameters:
     cameras:
-      base_0_rgb: {{topic: /robot/cam_base/image/compressed, compressed: true, required: true}}
-      left_wrist_0_rgb: {{topic: /robot/cam_wrist/image/compressed, compressed: true}}
+      base_0_rgb: {topic: /robot/cam_base/image/compressed, compressed: true, required: true}
+      left_wrist_0_rgb: {topic: /robot/cam_wrist/image/compressed, compressed: true}
     state_topic: /robot/joint_states
     state_type: joint_state
     max_stamp_future_s: 0.05
@@ -120,7 +123,8 @@ oxygen_observation:
     assert c["success"] and c["reply"] and c["tokens"] >= 1 and c["frame_stamped_by_us"], c
     synced = r["inputs"]["synced"]
     assert synced["message"] == "receiving" and synced["stamps_future"] == "0", synced
-    # Every byte went over the pair: cameras (2 x 15 Hz JPEG) one way, 70 Hz commands the other.
+    # The traffic went over the pair (the only link between the namespaces): cameras (2 x 15 Hz JPEG) one
+    # way, 70 Hz commands the other.
     assert sent[hosts.robot] > 1_000_000 and sent[hosts.engine] > 100_000, sent
 
     # The link down for 2 s, then up: nothing crosses while it is down; the engine's inputs went stale (its
