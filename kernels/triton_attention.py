@@ -248,11 +248,32 @@ def _sm_count(index: int) -> int:
 
 
 def _check_interpreter():
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime import interpreter
 
-    if not isinstance(_attn_kernel, InterpretedFunction):
+    if not isinstance(_attn_kernel, interpreter.InterpretedFunction):
         raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before "
                            "oxygen_ros.kernels.triton_attention is first imported")
+    _squeeze_interpreted_loop_bounds(interpreter)
+
+
+def _squeeze_interpreted_loop_bounds(interpreter) -> None:
+    """The key loops run to tensor bounds (`range(lo, pool_hi, BLOCK_N)`). The interpreter holds every
+    scalar as a shape-(1,) array and, before Triton 3.8, turns a loop bound into a Python int with
+    `int(array)`, which numpy >= 2.4 refuses (only 0-d arrays convert): a TypeError under triton 3.6.
+    Triton 3.8 squeezes first; give older interpreters the same `__index__`. The compiled kernel is
+    untouched, so the interpreter tests still run the very source the GPU compiles."""
+    if tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 8):
+        return
+    patch_tensor = interpreter._patch_lang_tensor
+    if getattr(patch_tensor, "squeezes_index", False):
+        return
+
+    def patch_tensor_squeezed(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_tensor_squeezed.squeezes_index = True
+    interpreter._patch_lang_tensor = patch_tensor_squeezed
 
 
 def _tiles(group: int, head_dim: int, max_new: int, f32: bool) -> dict:

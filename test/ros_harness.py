@@ -25,9 +25,11 @@ def private_domain(offset: int) -> int:
 class Bringup:
     """oxygen_bringup in a subprocess; its combined output is collected for log assertions."""
 
-    def __init__(self, args: list[str], domain: int, timeout_s: float = 120.0):
-        env = dict(os.environ, ROS_DOMAIN_ID=str(domain), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "oxygen_ros.bringup", *args,
+    def __init__(self, args: list[str], domain: int, timeout_s: float = 120.0, prefix: tuple = (),
+                 env: dict | None = None):
+        """prefix: a command it runs under (e.g. `ip netns exec NS`); env: extra environment variables."""
+        env = dict(os.environ, ROS_DOMAIN_ID=str(domain), PYTHONUNBUFFERED="1", **(env or {}))
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "oxygen_ros.bringup", *args,
                                       "--duration", str(timeout_s)], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []

@@ -55,6 +55,7 @@ class EngineInfo:
 
     camera_slots: tuple[str, ...]
     action_dim: int                # what the robot receives per row
+    max_state_dim: int             # the model's padded width: the longest state that fits
     action_horizon: int
     action_rate_hz: float
     frame_period_s: float
@@ -168,7 +169,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.info = EngineInfo(
-            tuple(runner.cfg.camera_slots), preparer.robot_action_dim, self.horizon, self.config.action_rate_hz,
+            tuple(runner.cfg.camera_slots), preparer.robot_action_dim, runner.cfg.action_dim, self.horizon, self.config.action_rate_hz,
             self.frame_period, self.config.policy, runner.backend, runner.graphs is not None, pool.num_blocks,
             pool.block_size, self.config.max_question_chars, self.config.max_queued_requests)
 

@@ -16,6 +16,7 @@ from std_msgs.msg import Float64MultiArray, String
 from oxygen_ros.engine.engine import Engine
 from oxygen_ros.robot.errors import InputError
 from oxygen_ros.robot.images import image_from_msg
+from oxygen_ros.robot.stamps import StampCheck
 from oxygen_ros.robot.state import StateReader
 from oxygen_ros.robot.sync import ObservationAssembler
 from oxygen_ros.robot.text import validate_text
@@ -52,6 +53,11 @@ def params_for(slots) -> list[Param]:
         Param("image_buffer_mb", 256.0, "Most image memory kept per camera slot (the newest images that fit).",
               minimum=1.0),
         Param("stale_after_s", 0.5, "No complete observation for this long: inputs are stale.", minimum=0.01),
+        # Stamps come from the robot's clock, which may be another host's (robot/stamps.py: the policy).
+        Param("max_stamp_age_s", 0.5, "Reject camera/state messages whose stamp is older than this (0: no check).",
+              minimum=0.0),
+        Param("max_stamp_future_s", 0.05, "Reject stamps further ahead of this host's clock than this "
+              "(clock synchronisation residual).", minimum=0.0),
     ]
 
 
@@ -69,7 +75,7 @@ class ObservationNode(Node):
         joint_names = [j for j in self.p["joint_names"] if j]
         if joint_names and self.p["state_dim"] and len(joint_names) != self.p["state_dim"]:
             problems.append(f"joint_names has {len(joint_names)} joints but state_dim is {self.p['state_dim']}")
-        max_state = engine.runner.cfg.action_dim  # π0.5 pads the state to action_dim: nothing longer fits
+        max_state = engine.info.max_state_dim  # π0.5 pads the state to action_dim: nothing longer fits
         if max(len(joint_names), self.p["state_dim"]) > max_state:
             problems.append(f"state of {max(len(joint_names), self.p['state_dim'])} values (joint_names/state_dim) "
                             f"exceeds the model's {max_state}")
@@ -78,6 +84,7 @@ class ObservationNode(Node):
         self.assembler = ObservationAssembler(self.slots, required, self.p["slop_s"], self.p["missing_after_s"],
                                               self.p["buffer"], int(self.p["image_buffer_mb"] * (1 << 20)))
         self.reader = StateReader(joint_names or None, self.p["state_dim"] or None, max_dim=max_state)
+        self.stamps = StampCheck(self.p["max_stamp_age_s"], self.p["max_stamp_future_s"])
         if self.p["prompt"]:
             self.assembler.set_prompt(validate_text(self.p["prompt"], what="prompt",
                                                     max_chars=self.p["max_prompt_chars"]))
@@ -104,7 +111,10 @@ class ObservationNode(Node):
     # input's): any error is counted and logged like bad input, and the next message is read.
     def _on_image(self, slot: str, msg) -> None:
         try:
-            self.assembler.add_image(slot, _stamp_s(msg.header), image_from_msg(msg, name=slot))
+            rgb = image_from_msg(msg, name=slot)   # a malformed message is reported as such, whatever its stamp
+            stamp = _stamp_s(msg.header)
+            self.stamps.check(f"image {slot!r}", stamp, self._now())
+            self.assembler.add_image(slot, stamp, rgb)
         except Exception as e:  # noqa: BLE001
             self._bad(e)
             return
@@ -115,6 +125,7 @@ class ObservationNode(Node):
             if isinstance(msg, JointState):
                 vec = self.reader.from_joint_state(list(msg.name), msg.position)
                 stamp = _stamp_s(msg.header)
+                self.stamps.check("state", stamp, self._now())
             else:
                 vec = self.reader.from_array(msg.data)
                 stamp = self._now()  # Float64MultiArray has no header: stamped on arrival
@@ -162,6 +173,7 @@ class ObservationNode(Node):
         level = DiagnosticStatus.ERROR if stale else DiagnosticStatus.OK
         message = (f"no complete observation for {age:.2f} s" if self.watch.last_s is not None
                    else "no observation yet") if stale else "receiving"
-        values = dict(self.assembler.stats, observations=self.observations, bad_inputs=self.bad_inputs,
+        values = dict(self.assembler.stats, **self.stamps.stats, **self.stamps.age_summary(),
+                      observations=self.observations, bad_inputs=self.bad_inputs,
                       observation_age_s=age, stale_transitions=self.watch.transitions, last_error=self.last_error)
         return [status("oxygen_ros: inputs", level, message, values)]
