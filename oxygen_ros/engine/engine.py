@@ -95,7 +95,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ChunkResult:
-    plan: ActionChunkPlan          # robot units; row k is meant for stamp + k / action_rate_hz
+    plan: ActionChunkPlan          # robot units; row k is meant for stamp + k * control period
     model_actions: np.ndarray      # [H, action_dim] the expert's output before un-normalisation
     compute_s: float               # cycle start -> chunk ready (engine clock)
     prompt_truncated: int          # prompt tokens cut to fit the model's max_token_len
@@ -365,7 +365,9 @@ class Engine:
             self._fault(index, f"{type(e).__name__}: {e}", report)
             return None
         self._consecutive_faults = 0
-        plan = ActionChunkPlan(robot_actions, prepared.stamp, 1.0 / self.config.action_rate_hz, index)
+        # Rows are one control period apart (the rate the checkpoint was trained at), 0: one per publish tick.
+        step_s = self.runner.io.control_period_s or 1.0 / self.config.action_rate_hz
+        plan = ActionChunkPlan(robot_actions, prepared.stamp, step_s, index)
         chunk = ChunkResult(plan, model_actions, self.clock() - report.start, prepared.prompt_truncated)
         if prepared.prompt_truncated:
             self.stats.count("prompts_truncated")

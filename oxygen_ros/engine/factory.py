@@ -12,6 +12,7 @@ from oxygen_ros.model.config import Pi05Config, load_config, preset
 from oxygen_ros.model.normalize import Normalizer
 from oxygen_ros.model.pi05 import Pi05
 from oxygen_ros.model.tokenizer import Tokenizer
+from oxygen_ros.robot.policy_io import PolicyIO, RobotIOConfig
 
 from .engine import Engine, EngineConfig
 from .kv_pool import KVPool
@@ -46,8 +47,7 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
                  tokenizer: str | None = None, norm_stats: str | None = None, asset_id: str | None = None,
                  engine: EngineConfig | None = None, device: str = "cpu", dtype: torch.dtype | None = None,
                  kv_budget_mb: float = 256.0, block_size: int = 16, backend: str | None = None,
-                 robot_action_dim: int | None = None, state_in_prompt: bool = True,
-                 delta_action_mask: list[bool] | None = None, seed: int = 0,
+                 robot_io: RobotIOConfig | None = None, state_in_prompt: bool = True, seed: int = 0,
                  built_model: Pi05 | None = None, **config_overrides) -> Engine:
     from oxygen_ros.model.attention import default_backend
 
@@ -62,5 +62,6 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
     norm = Normalizer.load(norm_stats, asset_id) if norm_stats else Normalizer.identity()
     pool = KVPool.from_budget(int(kv_budget_mb * 2**20), cfg.vlm.depth, cfg.vlm.num_kv_heads, cfg.vlm.head_dim,
                               block_size, net.dtype, net.device)
-    runner = ModelRunner(net, tok, pool, norm, backend, state_in_prompt, robot_action_dim, delta_action_mask)
+    io = PolicyIO(robot_io or RobotIOConfig(), norm, cfg.action_dim, cfg.vision.image_size)
+    runner = ModelRunner(net, tok, pool, io, backend, state_in_prompt)
     return Engine(runner, engine or EngineConfig())

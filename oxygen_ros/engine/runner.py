@@ -11,11 +11,11 @@ import numpy as np
 import torch
 
 from oxygen_ros.model.attention import ActionAttention, CachedAttention, CachedRow, Segment
-from oxygen_ros.model.normalize import Normalizer
 from oxygen_ros.model.pi05 import Pi05, PrefixRow
 from oxygen_ros.model.preprocess import to_pixels
 from oxygen_ros.model.tokenizer import Tokenizer
 from oxygen_ros.robot.errors import InputError
+from oxygen_ros.robot.policy_io import PolicyIO, RobotIOConfig
 
 from .graphs import StepGraphs
 from .kv_pool import FrameCache, KVPool
@@ -36,25 +36,20 @@ class PreparedFrame:
 
 
 class ModelRunner:
-    def __init__(self, model: Pi05, tokenizer: Tokenizer, pool: KVPool, normalizer: Normalizer | None = None,
-                 backend: str = "torch", state_in_prompt: bool = True, robot_action_dim: int | None = None,
-                 delta_action_mask: list[bool] | None = None):
+    def __init__(self, model: Pi05, tokenizer: Tokenizer, pool: KVPool, io: PolicyIO | None = None,
+                 backend: str = "torch", state_in_prompt: bool = True):
         cfg = model.cfg
         if tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} pieces, the model only {cfg.vocab_size}")
-        if robot_action_dim is not None and not 0 < robot_action_dim <= cfg.action_dim:
-            raise ValueError(f"robot action dim {robot_action_dim} must be in 1..{cfg.action_dim}")
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
-        self.normalizer = normalizer or Normalizer.identity()
+        # The robot side (transforms, resizing, (un)normalisation, deltas): oxygen_ros/robot/policy_io.py.
+        self.io = io or PolicyIO(RobotIOConfig(), model_action_dim=cfg.action_dim, image_size=cfg.vision.image_size)
+        if (self.io.model_action_dim, self.io.image_size) != (cfg.action_dim, cfg.vision.image_size):
+            raise ValueError(f"policy I/O built for {self.io.model_action_dim} action dims and "
+                             f"{self.io.image_size} px images, the model has {cfg.action_dim} and "
+                             f"{cfg.vision.image_size}")
         self.backend = backend
         self.state_in_prompt = state_in_prompt
-        self.robot_action_dim = robot_action_dim or cfg.action_dim
-        # Dimensions the model predicts relative to the current state (openpi's AbsoluteActions output
-        # transform: e.g. ALOHA joints, DROID joint-position checkpoints); grippers stay absolute.
-        self.delta_action_mask = np.array(delta_action_mask or [], dtype=bool)
-        if len(self.delta_action_mask) > self.robot_action_dim:
-            raise ValueError(f"delta_action_mask has {len(self.delta_action_mask)} entries, the robot only "
-                             f"{self.robot_action_dim} action dims")
         self.cfg = cfg
         self.graphs: StepGraphs | None = None
 
@@ -69,6 +64,10 @@ class ModelRunner:
         self.graphs = StepGraphs(self.model, self.pool, max_batch, self.max_prefix_tokens(), own_tokens, capture)
         return self.graphs
 
+    @property
+    def robot_action_dim(self) -> int:
+        return self.io.robot_action_dim
+
     # ------------------------------------------------------------------ sizes
     def max_prefix_tokens(self) -> int:
         return len(self.cfg.camera_slots) * self.cfg.image_tokens + self.cfg.max_token_len
@@ -76,20 +75,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ observation -> prefix
     def prepare(self, obs, task: str | None = None) -> PreparedFrame:
         """Validate and convert an observation (oxygen_ros.robot.sync.Observation or alike)."""
-        images = []
-        for slot in self.cfg.camera_slots:
-            img = obs.images.get(slot)
-            if obs.image_masks.get(slot, False) and img is not None:
-                try:
-                    images.append(to_pixels(img, self.cfg.vision.image_size))
-                except ValueError as e:
-                    raise InputError(f"camera '{slot}': {e}") from None
+        slots = self.cfg.camera_slots
+        inputs = self.io.model_inputs({s: obs.images.get(s) for s in slots if obs.image_masks.get(s, False)},
+                                      obs.state)
+        images = [to_pixels(inputs.images[s], self.cfg.vision.image_size) for s in slots if s in inputs.images]
         if not images:
             raise InputError("observation has no valid camera image")
-        state = np.asarray(obs.state, dtype=np.float64)
-        if state.ndim != 1 or not np.all(np.isfinite(state)):
-            raise InputError(f"state must be a finite vector, got {state.tolist()[:8]}")
-        state = self.normalizer.normalize_state(state)
+        state = inputs.state_normalized
         prompt = self.tokenizer.action_prompt(obs.prompt if task is None else task,
                                               state if self.state_in_prompt else None, self.cfg.max_token_len)
         pixels = torch.stack(images)
@@ -124,7 +116,7 @@ class ModelRunner:
     def actions(self, frame: FrameCache, noise: torch.Tensor, steps: int | None = None,
                 state: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Action chunk of a frame: (model-space actions [H, action_dim], robot units [H, robot_dim]).
-        `state` (robot units) is needed when some dimensions are deltas (delta_action_mask)."""
+        `state` (robot units) is needed when some dimensions are deltas (the robot's delta_action_mask)."""
         noise = noise.reshape(1, *noise.shape[-2:])
         x = None
         if self.graphs is not None:
@@ -135,12 +127,7 @@ class ModelRunner:
         x = x[0].cpu().numpy()
         if not np.all(np.isfinite(x)):
             raise EngineFault(f"frame {frame.frame_index}: the action expert produced non-finite actions")
-        robot = self.normalizer.unnormalize_actions(x.astype(np.float64))[:, :self.robot_action_dim]
-        if self.delta_action_mask.any():
-            mask = np.flatnonzero(self.delta_action_mask)
-            if state is None or len(state) <= mask.max():
-                raise InputError(f"delta actions need the state's dimensions {mask.tolist()}")
-            robot[:, mask] += np.asarray(state, dtype=np.float64)[mask]
+        robot = self.io.robot_actions(x, state)
         return x, robot
 
     # ------------------------------------------------------------------ text

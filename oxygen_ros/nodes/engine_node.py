@@ -16,6 +16,7 @@ from oxygen_ros.engine.engine import POLICIES, Engine, EngineConfig
 from oxygen_ros.engine.factory import build_engine, model_config
 from oxygen_ros.model.checkpoint import checkpoint_settings
 from oxygen_ros.model.config import PREFIX_MODES, PRESETS
+from oxygen_ros.robot.policy_io import RobotIOConfig
 
 from .params import Param, ParameterError, declare_all
 
@@ -62,6 +63,14 @@ PARAMS = [
     Param("robot_action_dim", 0, "Action dimensions the robot uses (0: all of the model's).", minimum=0),
     Param("delta_action_mask", [], "Per action dimension: true where the model predicts a change from the "
                                    "current state (openpi delta actions, e.g. ALOHA joints); grippers false."),
+    Param("transform", "none", "Robot input/output transform around the model (aloha: openpi's adapt_to_pi "
+                               "joint flips and gripper conversions).", choices=("none", "aloha")),
+    Param("gripper_dims", [], "State/action dims of a linear gripper given in robot units (with gripper_range)."),
+    Param("gripper_range", [], "Robot units of the model's gripper 0 (open) and 1 (closed), e.g. a Franka "
+                                  "finger joint for DROID: [0.04, 0.0]. Empty: already in [0, 1]."),
+    Param("rotate_180", [], "Camera slots turned upside down before resizing (LIBERO's training images)."),
+    Param("control_period_s", 0.0, "Seconds between chunk rows: the rate the checkpoint was trained at "
+                                   "(DROID 1/15, ALOHA 1/50). 0: one row per publish tick.", minimum=0.0),
     Param("memory_prompt", "Describe the scene.", "Prompt of the periodic scene captions."),
     Param("memory_every_frames", 0, "Caption every N frames (0: off).", minimum=0),
     Param("memory_period_s", 0.0, "Caption every S seconds (0: off).", minimum=0.0),
@@ -119,9 +128,8 @@ class EngineNode(Node):
                 cfg = model_config(p["model"], **overrides)
             except ValueError as e:
                 problems.append(str(e))
-        if cfg is not None and p["robot_action_dim"] > cfg.action_dim:
-            problems.append(f"robot_action_dim {p['robot_action_dim']} exceeds the model's action_dim "
-                            f"{cfg.action_dim}")
+        if cfg is not None:
+            problems += RobotIOConfig.from_params(p).problems(cfg.action_dim)
         if problems:
             raise ParameterError("\n".join(problems))
         engine_cfg = EngineConfig(
@@ -142,8 +150,7 @@ class EngineNode(Node):
                 norm_stats=p["norm_stats"] or None, asset_id=p["asset_id"] or None, engine=engine_cfg,
                 device=device, kv_budget_mb=p["kv_budget_mb"], block_size=p["block_size"],
                 backend=None if p["attention_backend"] == "auto" else p["attention_backend"],
-                robot_action_dim=p["robot_action_dim"] or None, state_in_prompt=p["state_in_prompt"],
-                delta_action_mask=[bool(v) for v in p["delta_action_mask"]] or None, seed=p["seed"])
+                robot_io=RobotIOConfig.from_params(p), state_in_prompt=p["state_in_prompt"], seed=p["seed"])
         except (ValueError, FileNotFoundError) as e:
             raise ParameterError(str(e)) from None
         source = p["checkpoint"] or "random weights (no checkpoint)"
