@@ -61,3 +61,25 @@ oxygen_action:
                      "action_rate_hz 50.0 differs from the engine's 70.0"):
         assert any(expected in line for line in lines), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_real_robot_configs_pass_every_parameter_check(tmp_path):
+    """droid, aloha and libero as shipped (transforms, gripper units, camera rotation, control period,
+    interpolation mask, replan steps) start with the tiny model in place of the checkpoint."""
+    params = tmp_path / "tiny.yaml"
+    params.write_text("oxygen_engine:\n  ros__parameters:\n    model: tiny\n    checkpoint: ''\n    tokenizer: ''\n"
+                      "    norm_stats: ''\n    kv_budget_mb: 32.0\n")
+    for robot in ("droid", "aloha", "libero"):
+        r = bringup("--robot", robot, "--params-file", str(params))
+        assert r.returncode == 0, (robot, r.stderr[-3000:])
+        assert "Traceback" not in r.stderr
+
+
+def test_a_missing_robot_config_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    from oxygen_ros import bringup as bringup_module
+    from oxygen_ros.robot import configs
+
+    monkeypatch.setattr(configs, "config_dirs", lambda: [tmp_path])
+    assert bringup_module.main(["--robot", "droid"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"oxygen_bringup: no robot config droid.yaml in {tmp_path}"

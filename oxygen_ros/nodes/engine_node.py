@@ -50,7 +50,7 @@ PARAMS = [
     Param("question_template", "{text}\n", "How a question is appended after the frame's prefix."),
     Param("kv_budget_mb", 256.0, "Memory of the paged KV pool (MiB).", minimum=1.0),
     Param("block_size", 16, "Tokens per KV block.", minimum=1, maximum=1024),
-    Param("action_rate_hz", 70.0, "Action publishing rate; chunk rows are 1/action_rate_hz apart.",
+    Param("action_rate_hz", 70.0, "Publish rate of commands (chunk rows are control_period_s apart).",
           minimum=1.0, maximum=1000.0),
     Param("action_horizon", 0, "Actions per chunk (0: the model's). Must match what the checkpoint was "
                                "trained with.", minimum=0),
