@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"oxygen_bringup: {e}", file=sys.stderr)
         return 2
+    if args.robot:
+        print(f"oxygen_bringup: robot config {files[0]}", flush=True)
     rcl_args = ["oxygen_bringup", "--ros-args"] + [a for f in files for a in ("--params-file", f)]
     rcl_args += [a for a in ros_args if a != "--ros-args"]
     sys.setswitchinterval(0.001)
