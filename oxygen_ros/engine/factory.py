@@ -40,7 +40,7 @@ def build_model(cfg: Pi05Config, checkpoint: str | None = None, device: str = "c
     if checkpoint:
         return load_pi05(checkpoint, cfg, device, dtype)
     model = init_random_weights(Pi05(cfg), seed)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return model.to(device=device).to_serving_dtype(dtype).eval().requires_grad_(False)
 
 
 def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = None,

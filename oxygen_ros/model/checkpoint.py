@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import Pi05Config
-from .pi05 import Pi05
+from .pi05 import Pi05, param_dtype
 
 _PG = "paligemma_with_expert.paligemma."
 _VIS = _PG + "model.vision_tower.vision_model."
@@ -170,8 +170,9 @@ def checkpoint_settings(path: str | Path) -> dict:
 
 
 def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "cpu",
-              dtype: torch.dtype = torch.float32) -> Pi05:
-    """Build the model for `cfg` and fill it from the checkpoint at `path` (directory or file)."""
+              dtype: torch.dtype = torch.float32, islands: bool = True) -> Pi05:
+    """Build the model for `cfg` and fill it from the checkpoint at `path` (directory or file), in `dtype`
+    except openpi's float32 islands (pi05.FLOAT32_ISLANDS) unless `islands` is False."""
     fmt, mapping = read_key_map(path)
     with torch.device("meta"):
         model = Pi05(cfg)
@@ -191,7 +192,7 @@ def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "c
             if shape != tuple(param.shape):
                 mismatched.append(f"{key} has shape {list(shape)}, the config expects {list(param.shape)}")
                 continue
-            state[name] = handles[f].get_tensor(key).to(device=device, dtype=dtype)
+            state[name] = handles[f].get_tensor(key).to(device=device, dtype=param_dtype(name, dtype, islands))
     finally:
         handles.clear()
     if mismatched:
