@@ -59,7 +59,9 @@ class Pi05(nn.Module):
         self.cfg = cfg
         self.vision = SiglipVision(cfg.vision)
         self.projector = nn.Linear(cfg.vision.width, cfg.vlm.width)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.vlm.width)  # also the LM head (tied)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.vlm.width)  # also the LM head (tied)...
+        # ...unless a checkpoint's head was fine-tuned apart from the embedding (LeRobot): then this holds it.
+        self.register_buffer("lm_head", None, persistent=False)
         self.vlm_layers = nn.ModuleList(GemmaLayer(cfg.vlm, adaptive=False) for _ in range(cfg.vlm.depth))
         self.vlm_norm = RMSNorm(cfg.vlm.width, cfg.vlm.rms_eps)
         we = cfg.expert.width
@@ -136,8 +138,9 @@ class Pi05(nn.Module):
         return kernel_ops.rms_norm(x[attn.last_token], self.vlm_norm.weight, self.cfg.vlm.rms_eps, self.backend)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied LM head: [R, width] -> [R, vocab] float32 (greedy decoding only needs their argmax)."""
-        return F.linear(hidden, self.embed_tokens.weight).float()
+        """LM head (the tied embedding, or a separate head): [R, width] -> [R, vocab] float32."""
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens.weight
+        return F.linear(hidden, head).float()
 
     # ------------------------------------------------------------------ actions
     def time_condition(self, t: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from rclpy.node import Node
 
 from oxygen_ros.engine.engine import POLICIES, Engine, EngineConfig
 from oxygen_ros.engine.factory import build_engine, model_config
-from oxygen_ros.model.checkpoint import checkpoint_settings
+from oxygen_ros.model.checkpoint import checkpoint_settings, lerobot_policy
 from oxygen_ros.model.config import PREFIX_MODES, PRESETS
 from oxygen_ros.robot.policy_io import RobotIOConfig
 
@@ -122,6 +122,11 @@ class EngineNode(Node):
             elif overrides[field] != value:
                 problems.append(f"{field} {overrides[field]} differs from the checkpoint's {value} "
                                 f"({Path(p['checkpoint'])}/config.json)")
+        try:
+            lerobot = lerobot_policy(p["checkpoint"]) if p["checkpoint"] else None
+        except ValueError as e:
+            problems.append(str(e))
+            lerobot = None
         cfg = None
         if not any(pr.startswith("model ") for pr in problems):
             try:
@@ -130,6 +135,16 @@ class EngineNode(Node):
                 problems.append(str(e))
         if cfg is not None:
             problems += RobotIOConfig.from_params(p).problems(cfg.action_dim)
+        state_in_prompt = p["state_in_prompt"]
+        if lerobot is not None and cfg is not None:
+            cameras, camera_problems = lerobot.camera_slots(cfg.camera_slots)
+            problems += camera_problems
+            if not camera_problems:
+                self.get_logger().info("LeRobot cameras -> slots: " + ", ".join(f"{k} -> {v}" for k, v in cameras.items()))
+            # The checkpoint was trained with what its processor did; that wins over the robot config.
+            state_in_prompt = lerobot.state_in_prompt
+            said = "" if p["state_in_prompt"] == state_in_prompt else f" (the robot config said {p['state_in_prompt']})"
+            self.get_logger().info(f"state in the prompt: {state_in_prompt}, as the LeRobot checkpoint was trained{said}")
         if problems:
             raise ParameterError("\n".join(problems))
         engine_cfg = EngineConfig(
@@ -150,7 +165,7 @@ class EngineNode(Node):
                 norm_stats=p["norm_stats"] or None, asset_id=p["asset_id"] or None, engine=engine_cfg,
                 device=device, kv_budget_mb=p["kv_budget_mb"], block_size=p["block_size"],
                 backend=None if p["attention_backend"] == "auto" else p["attention_backend"],
-                robot_io=RobotIOConfig.from_params(p), state_in_prompt=p["state_in_prompt"], seed=p["seed"])
+                robot_io=RobotIOConfig.from_params(p), state_in_prompt=state_in_prompt, seed=p["seed"])
         except (ValueError, FileNotFoundError) as e:
             raise ParameterError(str(e)) from None
         source = p["checkpoint"] or "random weights (no checkpoint)"
