@@ -50,6 +50,7 @@ oxygen_action:
     action_rate_hz: 50.0
     joint_names: [a, b]
     output_type: teleport
+    interpolate: [true]
 """)
     r = bringup("--robot", "demo", "--params-file", str(params))
     assert r.returncode == 2, r.stdout + r.stderr
@@ -58,7 +59,8 @@ oxygen_action:
                      "no camera topic configured (cameras.<slot>.topic)",
                      "oxygen_action.output_type = 'teleport': must be one of",
                      "joint_names has 2 names, the actions have 7 dimensions",
-                     "action_rate_hz 50.0 differs from the engine's 70.0"):
+                     "action_rate_hz 50.0 differs from the engine's 70.0",
+                     "interpolate has 1 entries, the actions have 7 dimensions"):
         assert any(expected in line for line in lines), r.stderr
     assert "Traceback" not in r.stderr
 

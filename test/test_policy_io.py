@@ -180,3 +180,32 @@ def test_config_problems_are_all_listed():
     assert str(e.value).count("\n") == len(problems) - 1
     assert RobotIOConfig(transform="aloha", robot_action_dim=7).problems(32) == [
         "transform aloha needs robot_action_dim 14, got 7"]
+
+
+# ------------------------------------------------------------------------------------------ through the engine
+def test_engine_takes_extreme_aspect_images_and_counts_unusable_ones(engine_factory, obs):
+    """issue #12 item 7: a 1x500 camera image is resized (one row, centred), never an escaping exception;
+    an image that is not RGB is refused, counted, and the next frame runs."""
+    engine = engine_factory()
+    o = obs(0)
+    o.images["base_0_rgb"] = np.full((1, 500, 3), 128, np.uint8)
+    o.images["left_wrist_0_rgb"] = np.full((500, 1, 3), 64, np.uint8)
+    report = engine.run_cycle(o)
+    assert report.frame_index is not None and engine.latest_chunk() is not None
+    bad = obs(1)
+    bad.images["base_0_rgb"] = np.zeros((8, 8, 4), np.uint8)
+    engine.run_cycle(bad)
+    assert engine.stats.counter("bad_observations") == 1
+    assert engine.run_cycle(obs(2)).frame_index is not None
+
+
+def test_engine_chunks_carry_the_robot_control_period(small_model, obs):
+    """Rows one control period apart (DROID 1/15 s), not one publish tick; 0 keeps one row per tick."""
+    from oxygen_ros.engine.engine import EngineConfig
+    from oxygen_ros.engine.factory import build_engine
+
+    for period, expected in ((1 / 15, 1 / 15), (0.0, 1 / 70)):
+        engine = build_engine(built_model=small_model, engine=EngineConfig(action_rate_hz=70.0), kv_budget_mb=4.0,
+                              robot_io=RobotIOConfig(robot_action_dim=7, control_period_s=period))
+        engine.run_cycle(obs(0))
+        assert engine.latest_chunk().plan.step_period_s == pytest.approx(expected)
