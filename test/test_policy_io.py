@@ -131,14 +131,16 @@ def test_droid_franka_finger_gripper_converts_both_ways():
     np.testing.assert_allclose(io.robot_actions(chunk)[:, 7], [0.04, 0.0])
 
 
-def test_libero_cameras_are_rotated_180():
+def test_cameras_marked_rotate_180_are_turned_before_resizing():
+    """LIBERO's robosuite renders upside down; the option turns the marked cameras only."""
     params = node_params(find_config("libero"), "oxygen_engine")
-    io = PolicyIO(RobotIOConfig.from_params(params), model_action_dim=32)
-    img = np.zeros((224, 224, 3), np.uint8)
+    io = PolicyIO(RobotIOConfig.from_params(params).replace(rotate_180=("base_0_rgb",)), model_action_dim=32)
+    img = np.zeros((112, 224, 3), np.uint8)
     img[0, 0] = 255                                    # top-left pixel
     out = io.model_inputs({"base_0_rgb": img, "left_wrist_0_rgb": img}, np.zeros(8))
-    for slot in ("base_0_rgb", "left_wrist_0_rgb"):
-        assert out.images[slot][223, 223].tolist() == [255, 255, 255] and out.images[slot][0, 0].sum() == 0
+    # 224 x 112 -> padded by 56 rows above and below; the pixel lands bottom-right of the content, or stays.
+    assert out.images["base_0_rgb"][167, 223].tolist() == [255] * 3 and out.images["base_0_rgb"][56, 0].sum() == 0
+    assert out.images["left_wrist_0_rgb"][56, 0].tolist() == [255] * 3
 
 
 def test_normalisation_matches_openpi_quantiles():
