@@ -129,6 +129,8 @@ def test_droid_franka_finger_gripper_converts_both_ways():
     chunk = np.zeros((2, 32))
     chunk[:, 7] = [0.0, 1.0]
     np.testing.assert_allclose(io.robot_actions(chunk)[:, 7], [0.04, 0.0])
+    with pytest.raises(InputError, match="gripper_dims"):
+        io.model_state(np.zeros(7))
 
 
 def test_cameras_marked_rotate_180_are_turned_before_resizing():

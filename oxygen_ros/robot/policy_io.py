@@ -121,7 +121,9 @@ class PolicyIO:
             except ValueError as e:
                 raise InputError(str(e)) from None
         if self.config.gripper_dims:
-            dims = [d for d in self.config.gripper_dims if d < len(s)]
+            dims = list(self.config.gripper_dims)
+            if max(dims) >= len(s):
+                raise InputError(f"state has {len(s)} values, gripper_dims {dims} needs {max(dims) + 1}")
             lo, hi = self.config.gripper_range
             s[dims] = (s[dims] - lo) / (hi - lo)
         return s
