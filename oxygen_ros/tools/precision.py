@@ -6,7 +6,8 @@ For each model oracle case (default: ../shared/oracle/case_a and case_c), the ca
 noise are run three ways through the standalone inference path on the CPU (bfloat16 runs there too):
 float32; every parameter bfloat16 (`islands=False`); bfloat16 with the float32 islands of
 model/pi05.py (FLOAT32_ISLANDS). x_t is integrated in float32 in both bfloat16 runs. Printed and written:
-max and mean |actions - float32 actions| per case and mode.
+max and mean |actions - float32 actions| per case and mode. `--preset bench` adds a larger model (random
+weights and inputs, same three ways).
 """
 from __future__ import annotations
 
@@ -44,6 +45,24 @@ def case_actions(case_dir: Path, dtype: torch.dtype, islands: bool) -> np.ndarra
     return inference.sample_actions(model, cache, pre.segments, noise, cfg.num_denoise_steps, "torch").numpy()
 
 
+def preset_actions(preset: str, dtype: torch.dtype, islands: bool, seed: int = 0) -> np.ndarray:
+    """The same measure on a preset with deterministic random weights and inputs (two cameras, 20 tokens)."""
+    from oxygen_ros.engine.factory import model_config
+    from oxygen_ros.model.checkpoint import init_random_weights
+    from oxygen_ros.model.pi05 import Pi05
+
+    cfg = model_config(preset)
+    model = init_random_weights(Pi05(cfg), seed).to_serving_dtype(dtype, islands).eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(seed)
+    images = torch.rand(2, 3, cfg.vision.image_size, cfg.vision.image_size, generator=g) * 2 - 1
+    tokens = torch.randint(0, cfg.vocab_size, (20,), generator=g)
+    noise = torch.randn(1, cfg.action_horizon, cfg.action_dim, generator=g)
+    with torch.inference_mode():
+        cache = inference.ContiguousCache(model, model.prefix_length(PrefixRow(images, tokens)) + 64)
+        pre = inference.prefill(model, cache, [PrefixRow(images, tokens)], "torch")
+        return inference.sample_actions(model, cache, pre.segments, noise, cfg.num_denoise_steps, "torch").numpy()
+
+
 def measure(case_dirs: list[Path]) -> dict:
     out = {}
     for case in case_dirs:
@@ -57,13 +76,26 @@ def measure(case_dirs: list[Path]) -> dict:
     return out
 
 
+def measure_preset(preset: str) -> dict:
+    ref = preset_actions(preset, torch.float32, True).astype(np.float64)
+    out = {}
+    for mode, (dtype, islands) in MODES.items():
+        if mode != "float32":
+            d = np.abs(preset_actions(preset, dtype, islands) - ref)
+            out[mode] = {"max_abs": float(d.max()), "mean_abs": float(d.mean())}
+    return {f"preset_{preset}": out}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("cases", nargs="*", type=Path, default=DEFAULT_CASES)
+    parser.add_argument("--preset", help="also measure this preset with random weights and inputs (e.g. bench)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     torch.set_float32_matmul_precision("highest")
     result = measure(args.cases)
+    if args.preset:
+        result |= measure_preset(args.preset)
     for case, modes in result.items():
         for mode, r in modes.items():
             print(f"{case} {mode:13s} max |d actions| {r['max_abs']:.4f}  mean {r['mean_abs']:.5f}")
