@@ -118,7 +118,8 @@ def test_loaded_model_dtype_device_and_no_grad(tmp_path):
         assert p.dtype == torch.bfloat16, name
     loaded = load_pi05(tmp_path, CFG, dtype=torch.bfloat16)
     for name, p in model.named_parameters():
-        assert torch.equal(p.detach().to(param_dtype(name, torch.bfloat16)), dict(loaded.named_parameters())[name]), name
+        served = dict(loaded.named_parameters())[name]
+        assert torch.equal(p.detach().to(param_dtype(name, torch.bfloat16)), served), name
 
 
 def test_bf16_checkpoint_loads_into_float32(tmp_path):

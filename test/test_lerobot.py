@@ -143,7 +143,8 @@ def test_bringup_follows_a_lerobot_directory(tmp_path):
             "observation.state": {"type": "STATE", "shape": [8]}}}))
     flat = {f"observation.state.{k}": np.full(8, v, np.float32) for k, v in
             (("mean", 0.0), ("std", 1.0), ("q01", -1.0), ("q99", 1.0))}
-    flat |= {f"action.{k}": np.full(7, v, np.float32) for k, v in (("mean", 0.0), ("std", 1.0), ("q01", -2.0), ("q99", 2.0))}
+    flat |= {f"action.{k}": np.full(7, v, np.float32)
+             for k, v in (("mean", 0.0), ("std", 1.0), ("q01", -2.0), ("q99", 2.0))}
     save_numpy(flat, str(ckpt / "policy_preprocessor_step_3_normalizer_processor.safetensors"))
     params = tmp_path / "p.yaml"
     params.write_text(f"oxygen_engine:\n  ros__parameters:\n    model: tiny\n    checkpoint: {ckpt}\n"

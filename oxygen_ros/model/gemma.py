@@ -41,7 +41,8 @@ class AdaRMSNorm(nn.Module):
         """(scale, shift, gate), each [T, width]: computed once per row (in the dense layer's dtype: a float32
         island in bfloat16 serving), then given to the row's tokens. scale and shift stay in that dtype (the
         norm computes in float32); the gate multiplies the residual branch, so it comes in `dtype`."""
-        scale, shift, gate = (part[token_rows] for part in self.dense(cond.to(self.dense.weight.dtype)).chunk(3, dim=-1))
+        modulation = self.dense(cond.to(self.dense.weight.dtype))
+        scale, shift, gate = (part[token_rows] for part in modulation.chunk(3, dim=-1))
         return scale, shift, gate.to(dtype)
 
 

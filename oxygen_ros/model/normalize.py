@@ -65,7 +65,8 @@ class Normalizer:
         """`path`: a norm_stats.json, a checkpoint directory holding assets/<asset_id>/norm_stats.json, or a
         LeRobot policy directory (its normaliser processors' safetensors)."""
         path = Path(path)
-        lerobot = sorted(path.glob(LEROBOT_NORMALIZER)) + sorted(path.glob(LEROBOT_UNNORMALIZER)) if path.is_dir() else []
+        lerobot = [f for pattern in (LEROBOT_NORMALIZER, LEROBOT_UNNORMALIZER)
+                   for f in sorted(path.glob(pattern))] if path.is_dir() else []
         if lerobot and not list(path.glob("**/norm_stats.json")):
             return cls._check(cls._from_lerobot(lerobot, use_quantiles), path)
         if path.is_dir():

@@ -157,7 +157,8 @@ class Pi05(nn.Module):
         c = self.cfg.expert
         rows, horizon, _ = x_t.shape
         cond = self.time_condition(t)
-        x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.dtype).reshape(rows * horizon, c.width)
+        x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.dtype)
+        x = x.reshape(rows * horizon, c.width)
         cos, sin = rope_cos_sin(attn.positions, c.head_dim, c.rope_theta, x.dtype)
         for i, layer in enumerate(self.expert_layers):
             x = layer(x, cos, sin, attn.layer(i), cond=cond, token_rows=attn.token_rows, backend=self.backend)

@@ -140,11 +140,13 @@ class EngineNode(Node):
             cameras, camera_problems = lerobot.camera_slots(cfg.camera_slots)
             problems += camera_problems
             if not camera_problems:
-                self.get_logger().info("LeRobot cameras -> slots: " + ", ".join(f"{k} -> {v}" for k, v in cameras.items()))
+                self.get_logger().info("LeRobot cameras -> slots: "
+                                       + ", ".join(f"{k} -> {v}" for k, v in cameras.items()))
             # The checkpoint was trained with what its processor did; that wins over the robot config.
             state_in_prompt = lerobot.state_in_prompt
             said = "" if p["state_in_prompt"] == state_in_prompt else f" (the robot config said {p['state_in_prompt']})"
-            self.get_logger().info(f"state in the prompt: {state_in_prompt}, as the LeRobot checkpoint was trained{said}")
+            self.get_logger().info(f"state in the prompt: {state_in_prompt}, as the LeRobot checkpoint was "
+                                   f"trained{said}")
         if problems:
             raise ParameterError("\n".join(problems))
         engine_cfg = EngineConfig(

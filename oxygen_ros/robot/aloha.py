@@ -44,7 +44,8 @@ def gripper_to_angular(linear: np.ndarray) -> np.ndarray:
 
 def gripper_from_angular(value: np.ndarray) -> np.ndarray:
     """The model's gripper action -> ALOHA's normalised gripper joint command (already radians: no scale)."""
-    return (value + PI_GRIPPER_MIN - PUPPET_GRIPPER_JOINT_OPEN) / (PUPPET_GRIPPER_JOINT_CLOSE - PUPPET_GRIPPER_JOINT_OPEN)
+    span = PUPPET_GRIPPER_JOINT_CLOSE - PUPPET_GRIPPER_JOINT_OPEN
+    return (value + PI_GRIPPER_MIN - PUPPET_GRIPPER_JOINT_OPEN) / span
 
 
 def gripper_from_angular_inv(value: np.ndarray) -> np.ndarray:
