@@ -182,6 +182,8 @@ def test_config_problems_are_all_listed():
     with pytest.raises(ConfigError) as e:
         PolicyIO(cfg, model_action_dim=32)
     assert str(e.value).count("\n") == len(problems) - 1
+    assert RobotIOConfig(rotate_180=("base_rgb",)).problems(32, ("base_0_rgb", "left_wrist_0_rgb")) == [
+        "rotate_180 names ['base_rgb'], not camera slots of the model (base_0_rgb, left_wrist_0_rgb)"]
     assert RobotIOConfig(transform="aloha", robot_action_dim=7).problems(32) == [
         "transform aloha needs robot_action_dim 14, got 7"]
 

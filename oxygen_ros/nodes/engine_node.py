@@ -67,8 +67,8 @@ PARAMS = [
                                "joint flips and gripper conversions).", choices=("none", "aloha")),
     Param("gripper_dims", [], "State/action dims of a linear gripper given in robot units (with gripper_range)."),
     Param("gripper_range", [], "Robot units of the model's gripper 0 (open) and 1 (closed), e.g. a Franka "
-                                  "finger joint for DROID: [0.04, 0.0]. Empty: already in [0, 1]."),
-    Param("rotate_180", [], "Camera slots turned upside down before resizing (LIBERO's training images)."),
+                               "finger joint for DROID: [0.04, 0.0]. Empty: already in [0, 1]."),
+    Param("rotate_180", [], "Camera slots turned 180° before resizing (e.g. LIBERO from a raw robosuite render)."),
     Param("control_period_s", 0.0, "Seconds between chunk rows: the rate the checkpoint was trained at "
                                    "(DROID 1/15, ALOHA 1/50). 0: one row per publish tick.", minimum=0.0),
     Param("memory_prompt", "Describe the scene.", "Prompt of the periodic scene captions."),
@@ -134,7 +134,7 @@ class EngineNode(Node):
             except ValueError as e:
                 problems.append(str(e))
         if cfg is not None:
-            problems += RobotIOConfig.from_params(p).problems(cfg.action_dim)
+            problems += RobotIOConfig.from_params(p).problems(cfg.action_dim, cfg.camera_slots)
         state_in_prompt = p["state_in_prompt"]
         if lerobot is not None and cfg is not None:
             cameras, camera_problems = lerobot.camera_slots(cfg.camera_slots)

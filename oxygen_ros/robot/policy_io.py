@@ -46,9 +46,13 @@ class RobotIOConfig:
     def replace(self, **changes) -> "RobotIOConfig":
         return replace(self, **changes)
 
-    def problems(self, model_action_dim: int) -> list[str]:
-        """Every inconsistency, one line each (listed before refusing to start)."""
+    def problems(self, model_action_dim: int, camera_slots: tuple[str, ...] = ()) -> list[str]:
+        """Every inconsistency, one line each (listed before refusing to start). `camera_slots`: the model's,
+        to check rotate_180 against (not checked when empty)."""
         out = []
+        unknown = [c for c in self.rotate_180 if camera_slots and c not in camera_slots]
+        if unknown:
+            out.append(f"rotate_180 names {unknown}, not camera slots of the model ({', '.join(camera_slots)})")
         if self.transform not in TRANSFORMS:
             out.append(f"transform {self.transform!r} is not one of {', '.join(TRANSFORMS)}")
         dim = self.robot_action_dim or model_action_dim
