@@ -18,19 +18,8 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
-CONFIG_DIRS = [Path(__file__).resolve().parents[1] / "config", Path(sys.prefix) / "share" / "oxygen_ros" / "config"]
 ROBOTS = ("libero", "droid", "aloha", "demo")
-
-
-def find_config(name: str) -> Path:
-    """config/<name>.yaml from the source checkout or the installed share directory."""
-    for d in CONFIG_DIRS:
-        f = d / f"{name}.yaml"
-        if f.is_file():
-            return f
-    raise FileNotFoundError(f"no {name}.yaml in {', '.join(map(str, CONFIG_DIRS))}")
 
 
 def parse_args(argv):
@@ -73,8 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     from .nodes.engine_node import EngineNode
     from .nodes.observation_node import ObservationNode
     from .nodes.params import ParameterError
+    from .robot.configs import find_config
 
-    files = ([str(find_config(args.robot))] if args.robot else []) + args.params_file
+    try:
+        files = ([str(find_config(args.robot))] if args.robot else []) + args.params_file
+    except FileNotFoundError as e:
+        print(f"oxygen_bringup: {e}", file=sys.stderr)
+        return 2
+    if args.robot:
+        print(f"oxygen_bringup: robot config {files[0]}", flush=True)
     rcl_args = ["oxygen_bringup", "--ros-args"] + [a for f in files for a in ("--params-file", f)]
     rcl_args += [a for a in ros_args if a != "--ros-args"]
     sys.setswitchinterval(0.001)

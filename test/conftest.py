@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from oxygen_ros.model.config import GemmaConfig, Pi05Config, VisionConfig  # noqa: E402
+from oxygen_ros.robot.policy_io import RobotIOConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -76,7 +77,8 @@ def engine_factory(small_model):
 
     def make(kv_budget_mb: float = 4.0, block_size: int = 16, clock=None, model=None, **cfg):
         engine = build_engine(built_model=model or small_model, engine=EngineConfig(**cfg),
-                              kv_budget_mb=kv_budget_mb, block_size=block_size, robot_action_dim=7)
+                              kv_budget_mb=kv_budget_mb, block_size=block_size,
+                              robot_io=RobotIOConfig(robot_action_dim=7))
         if clock is not None:
             engine.clock = clock
         return engine

@@ -50,6 +50,7 @@ oxygen_action:
     action_rate_hz: 50.0
     joint_names: [a, b]
     output_type: teleport
+    interpolate: [true]
 """)
     r = bringup("--robot", "demo", "--params-file", str(params))
     assert r.returncode == 2, r.stdout + r.stderr
@@ -58,7 +59,8 @@ oxygen_action:
                      "no camera topic configured (cameras.<slot>.topic)",
                      "oxygen_action.output_type = 'teleport': must be one of",
                      "joint_names has 2 names, the actions have 7 dimensions",
-                     "action_rate_hz 50.0 differs from the engine's 70.0"):
+                     "action_rate_hz 50.0 differs from the engine's 70.0",
+                     "interpolate has 1 entries, the actions have 7 dimensions"):
         assert any(expected in line for line in lines), r.stderr
     assert "Traceback" not in r.stderr
 
@@ -79,3 +81,25 @@ def test_corrupt_files_refuse_the_start_with_one_line_each(tmp_path):
         assert r.returncode == 2, r.stdout + r.stderr
         assert "refusing to start, bad parameters" in r.stderr and expected in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
+
+
+def test_real_robot_configs_pass_every_parameter_check(tmp_path):
+    """droid, aloha and libero as shipped (transforms, gripper units, camera rotation, control period,
+    interpolation mask, replan steps) start with the tiny model in place of the checkpoint."""
+    params = tmp_path / "tiny.yaml"
+    params.write_text("oxygen_engine:\n  ros__parameters:\n    model: tiny\n    checkpoint: ''\n    tokenizer: ''\n"
+                      "    norm_stats: ''\n    kv_budget_mb: 32.0\n")
+    for robot in ("droid", "aloha", "libero"):
+        r = bringup("--robot", robot, "--params-file", str(params))
+        assert r.returncode == 0, (robot, r.stderr[-3000:])
+        assert "Traceback" not in r.stderr
+
+
+def test_a_missing_robot_config_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    from oxygen_ros import bringup as bringup_module
+    from oxygen_ros.robot import configs
+
+    monkeypatch.setattr(configs, "config_dirs", lambda: [tmp_path])
+    assert bringup_module.main(["--robot", "droid"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"oxygen_bringup: no robot config droid.yaml in {tmp_path}"

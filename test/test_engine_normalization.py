@@ -10,6 +10,7 @@ import numpy as np
 from conftest import make_observation
 from oxygen_ros.engine.engine import EngineConfig
 from oxygen_ros.engine.factory import build_engine
+from oxygen_ros.robot.policy_io import RobotIOConfig
 
 DIM = 8                                   # the small model's action_dim; the robot uses 7
 ROBOT_DIM = 7
@@ -37,10 +38,10 @@ def chunk_of(engine, obs, noise):
 def test_state_normalised_actions_unnormalised_and_deltas_added(tmp_path, small_model):
     cfg = small_model.cfg
     normalised = build_engine(built_model=small_model, engine=EngineConfig(), kv_budget_mb=4.0,
-                              robot_action_dim=ROBOT_DIM, norm_stats=norm_stats(tmp_path / "norm_stats.json"),
-                              delta_action_mask=DELTA)
+                              robot_io=RobotIOConfig(robot_action_dim=ROBOT_DIM, delta_action_mask=tuple(DELTA)),
+                              norm_stats=norm_stats(tmp_path / "norm_stats.json"))
     identity = build_engine(built_model=small_model, engine=EngineConfig(), kv_budget_mb=4.0,
-                            robot_action_dim=ROBOT_DIM)
+                            robot_io=RobotIOConfig(robot_action_dim=ROBOT_DIM))
     noise = RNG.standard_normal((cfg.action_horizon, DIM)).astype(np.float32)
     obs = make_observation(0, state_dim=DIM)
     obs.state = RNG.uniform(Q01["state"], Q99["state"])            # robot units, inside the quantiles

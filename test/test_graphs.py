@@ -16,6 +16,7 @@ from oxygen_ros.engine.factory import build_engine, build_model
 from oxygen_ros.engine.graphs import batch_buckets
 from oxygen_ros.engine.requests import TextRequest
 from oxygen_ros.model.attention import CachedAttention, CachedRow, Segment
+from oxygen_ros.robot.policy_io import RobotIOConfig
 
 TOL = 1e-5
 QUESTIONS = ["what is on the table?", "where is the red cup?", "describe the scene.", "is the gripper open?"]
@@ -24,7 +25,7 @@ QUESTIONS = ["what is on the table?", "where is the red cup?", "describe the sce
 def make_engine(graphs, backend="triton", dtype=torch.float32, **cfg):
     model = build_model(small_config(), device=DEVICE, dtype=dtype, seed=3)
     return build_engine(built_model=model, backend=backend, engine=EngineConfig(cuda_graphs=graphs, **cfg),
-                        kv_budget_mb=4.0, robot_action_dim=7)
+                        kv_budget_mb=4.0, robot_io=RobotIOConfig(robot_action_dim=7))
 
 
 def test_batch_buckets():

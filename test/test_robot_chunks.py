@@ -65,7 +65,7 @@ def test_out_of_order_and_duplicate_chunks_are_ignored():
     assert follower.push(plan(5, t0=1.0))
     assert not follower.push(plan(4, t0=0.9, offset=100))  # late
     assert not follower.push(plan(5, t0=1.0, offset=100))  # duplicate
-    assert follower.stats == {"chunks_accepted": 1, "chunks_ignored": 2}
+    assert follower.stats == {"chunks_accepted": 1, "chunks_ignored": 2, "chunks_superseded": 0}
     assert follower.next(1.0).action[0] == 0
     assert follower.push(plan(0, t0=2.0))  # the engine restarted: frame 0 again, but newer
     assert follower.next(2.0).frame_index == 0
@@ -266,3 +266,86 @@ def test_rows_before_the_stamp_are_negative_floor_not_truncated():
     # int() truncates towards zero: -0.5 rows would be row 0 and a trajectory sent then would skip row 0.
     plan = ActionChunkPlan(np.zeros((4, 2)), 10.0, 0.1, 0)
     assert [plan.row_at(t) for t in (9.85, 9.95, 10.0, 10.05, 10.1)] == [-2, -1, 0, 0, 1]
+
+
+# ------------------------------------------------------------------------------------------ control timing
+def _droid_follower() -> tuple[ChunkFollower, float]:
+    """The follower and control period exactly as config/droid.yaml sets them."""
+    from oxygen_ros.robot.configs import find_config, node_params
+
+    action = node_params(find_config("droid"), "oxygen_action")
+    engine = node_params(find_config("droid"), "oxygen_engine")
+    follower = ChunkFollower(interpolate=action["interpolate"], replan_steps=action["replan_steps"],
+                             on_exhausted=action["on_exhausted"])
+    return follower, engine["control_period_s"]
+
+
+def test_droid_chunk_of_15_rows_spans_one_second_at_70_hz():
+    """DROID trains at 15 Hz: a 15-row chunk is 1 s of commands. Published at 70 Hz: 70 commands, the
+    joint velocities held for their row's 1/15 s, the gripper position interpolated between rows."""
+    follower, dt = _droid_follower()
+    assert dt == pytest.approx(1 / 15)
+    rows = np.arange(15, dtype=np.float64)[:, None] * np.ones(8)     # row k: every dim = k
+    follower.push(ActionChunkPlan(rows, 100.0, dt, 1))
+    published = []
+    for i in range(90):
+        cmd = follower.next(100.0 + i / 70)
+        if cmd.action is not None:
+            published.append((i, cmd))
+    assert len(published) == 70 and published[-1][0] == 69                  # ticks 0..69: [0 s, 1 s)
+    assert follower.next(100.0 + 70 / 70).status == "stopped"                # DROID: on_exhausted stop
+    for i, cmd in published:
+        u = i / 70 * 15
+        assert cmd.index == int(u + 1e-9)
+        assert (cmd.action[:7] == cmd.index).all()                          # velocities: held
+        assert cmd.action[7] == pytest.approx(min(u, 14.0))                  # gripper: interpolated
+    held_ticks = np.bincount([cmd.index for _, cmd in published])
+    assert held_ticks.min() >= 4 and held_ticks.max() <= 5 and held_ticks.sum() == 70
+
+
+def test_latency_alignment_is_in_the_control_time_base():
+    """A chunk arriving 0.3 s after its observation starts at row 4.5 of 15 Hz rows, not at row 21 of
+    70 Hz ticks (past the end) nor at row 0."""
+    follower, dt = _droid_follower()
+    rows = np.arange(15, dtype=np.float64)[:, None] * np.ones(8)
+    follower.push(ActionChunkPlan(rows, 10.0, dt, 1))
+    cmd = follower.next(10.3)
+    assert cmd.index == 4 and cmd.status == "ok"
+    assert cmd.action[0] == 4.0 and cmd.action[7] == pytest.approx(4.5)
+
+
+def test_replan_steps_lets_the_current_chunk_play_its_open_loop_horizon():
+    """openpi's open_loop_horizon: a newer chunk takes over only after replan_steps rows of the current one."""
+    follower, dt = _droid_follower()
+    assert follower.replan_steps == 8
+    follower.push(ActionChunkPlan(np.zeros((15, 8)), 0.0, dt, 1))
+    assert follower.next(0.0).switched
+    follower.push(ActionChunkPlan(np.ones((15, 8)), 0.2, dt, 2))            # arrives after 3 rows
+    follower.push(ActionChunkPlan(np.full((15, 8), 2.0), 0.25, dt, 3))     # newer: replaces the waiting one
+    assert follower.stats["chunks_superseded"] == 1
+    t, switches = 0.0, []
+    while t < 0.9:
+        cmd = follower.next(t)
+        if cmd.switched:
+            switches.append((t, cmd.frame_index, cmd.index))
+        assert cmd.frame_index == (1 if t < 8 * dt - 1e-9 else 3)
+        t += 1 / 70
+    # Frame 3 (stamped 0.25 s) starts at 8/15 s = 0.533 s, at its own row for that time: floor(0.283 * 15) = 4.
+    assert len(switches) == 1 and switches[0][1] == 3
+    assert 8 * dt <= switches[0][0] < 8 * dt + 1 / 70 and switches[0][2] == 4
+
+
+def test_without_replan_steps_a_newer_chunk_takes_over_at_once():
+    follower = ChunkFollower(interpolate=[True, False])
+    follower.push(ActionChunkPlan(np.zeros((10, 2)), 0.0, 0.1, 1))
+    follower.next(0.0)
+    follower.push(ActionChunkPlan(np.ones((10, 2)), 0.05, 0.1, 2))
+    cmd = follower.next(0.06)
+    assert cmd.switched and cmd.frame_index == 2 and cmd.action.tolist() == [1.0, 1.0]
+    assert not follower.next(0.07).switched
+
+
+def test_interpolate_mask_must_fit_the_chunk():
+    follower = ChunkFollower(interpolate=[True, False, True])
+    with pytest.raises(ActionError, match="interpolate mask 3"):
+        follower.push(ActionChunkPlan(np.zeros((4, 2)), 0.0, 0.1, 1))

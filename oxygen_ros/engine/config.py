@@ -20,7 +20,7 @@ def setting(default: Any, description: str, *, minimum: float | None = None, max
 class EngineConfig:
     policy: str = setting("oxygen", "Scheduling policy (isolated and shared_kv exist for comparisons).",
                           choices=POLICIES)
-    action_rate_hz: float = setting(70.0, "Action publishing rate; chunk rows are 1/action_rate_hz apart (the "
+    action_rate_hz: float = setting(70.0, "Publish rate of commands (chunk rows are control_period_s apart; the "
                                           "frame period is horizon / rate).", minimum=1.0, maximum=1000.0)
     decode_budget: str = setting("deadline", "Language decode steps per frame: until the next chunk is due "
                                              "(deadline) or a fixed tokens_per_frame.", choices=("deadline", "fixed"))

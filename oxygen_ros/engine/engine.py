@@ -70,7 +70,7 @@ class EngineInfo:
 
 @dataclass(frozen=True)
 class ChunkResult:
-    plan: ActionChunkPlan          # robot units; row k is meant for stamp + k / action_rate_hz
+    plan: ActionChunkPlan          # robot units; row k is meant for stamp + k * control period
     model_actions: np.ndarray      # [H, action_dim] the expert's output before un-normalisation
     compute_s: float               # cycle start -> chunk ready (engine clock)
     prompt_truncated: int          # prompt tokens cut to fit the model's max_token_len
@@ -343,7 +343,9 @@ class Engine:
             t = self.clock()
             model_actions = self.runner.actions(frame, noise_t, self.config.denoise_steps)
             robot_actions = self.preparer.robot_actions(model_actions, prepared)
-            plan = ActionChunkPlan(robot_actions, prepared.stamp, 1.0 / self.config.action_rate_hz, index)
+            # Rows are one control period apart (the rate the checkpoint was trained at); 0: one per publish tick.
+            step_s = self.preparer.io.control_period_s or 1.0 / self.config.action_rate_hz
+            plan = ActionChunkPlan(robot_actions, prepared.stamp, step_s, index)
             report.action_s = self.clock() - t
         except Exception as e:  # noqa: BLE001 - any failure of the frame's computation is a fault
             # NaN/inf (EngineFault), PoolExhausted (cannot happen while the reserve holds), device errors,

@@ -12,6 +12,7 @@ from oxygen_ros.model.config import Pi05Config, load_config, preset
 from oxygen_ros.model.normalize import Normalizer
 from oxygen_ros.model.pi05 import Pi05
 from oxygen_ros.model.tokenizer import Tokenizer
+from oxygen_ros.robot.policy_io import PolicyIO, RobotIOConfig
 
 from .config import EngineConfig
 from .engine import Engine
@@ -41,15 +42,14 @@ def build_model(cfg: Pi05Config, checkpoint: str | None = None, device: str = "c
     if checkpoint:
         return load_pi05(checkpoint, cfg, device, dtype)
     model = init_random_weights(Pi05(cfg), seed)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return model.to(device=device).to_serving_dtype(dtype).eval().requires_grad_(False)
 
 
 def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = None,
                  tokenizer: str | None = None, norm_stats: str | None = None, asset_id: str | None = None,
                  engine: EngineConfig | None = None, device: str = "cpu", dtype: torch.dtype | None = None,
                  kv_budget_mb: float = 256.0, block_size: int = 16, backend: str | None = None,
-                 robot_action_dim: int | None = None, state_in_prompt: bool = True,
-                 delta_action_mask: list[bool] | None = None, seed: int = 0,
+                 robot_io: RobotIOConfig | None = None, state_in_prompt: bool = True, seed: int = 0,
                  built_model: Pi05 | None = None, **config_overrides) -> Engine:
     from oxygen_ros.model.attention import default_backend
 
@@ -64,5 +64,6 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
     norm = Normalizer.load(norm_stats, asset_id) if norm_stats else Normalizer.identity()
     pool = KVPool.from_budget(int(kv_budget_mb * 2**20), cfg.vlm.depth, cfg.vlm.num_kv_heads, cfg.vlm.head_dim,
                               block_size, net.dtype, net.device)
-    preparer = FramePreparer(cfg, tok, norm, state_in_prompt, robot_action_dim, delta_action_mask)
+    io = PolicyIO(robot_io or RobotIOConfig(), norm, cfg.action_dim, cfg.vision.image_size)
+    preparer = FramePreparer(cfg, tok, io, state_in_prompt)
     return Engine(ModelRunner(net, pool, backend), preparer, tok, engine or EngineConfig())

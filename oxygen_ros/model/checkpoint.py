@@ -4,8 +4,10 @@ Formats (detected from the key names):
 - openpi: `model.safetensors` holding `PI0Pytorch(pi05=True).state_dict()` names
   (`paligemma_with_expert.paligemma.model.language_model.layers.0.self_attn.q_proj.weight`, ...). The tied
   embedding is stored once, as `paligemma_with_expert.paligemma.lm_head.weight`.
-- LeRobot: the same module under `model.` (every key prefixed); the tied embedding is present under both
-  names.
+- LeRobot: the same module under `model.` (every key prefixed); the embedding is present under both
+  names, `language_model.embed_tokens` (what LeRobot embeds with) and `lm_head` (its text logits). They
+  start tied but LeRobot 0.6.1 fine-tunes them apart: the embedding is always read from `embed_tokens`
+  when it is there (whatever the shard order), and a differing `lm_head` is kept for text logits, logged.
 Older openpi conversions name the time MLP `action_time_mlp_{in,out}`; accepted as aliases.
 Ignored on purpose (never used by π0.5 inference): the expert's LM head.
 
@@ -16,7 +18,9 @@ built on the meta device, so a full-size checkpoint is never held twice.
 from __future__ import annotations
 
 import json
+import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import Pi05Config
-from .pi05 import Pi05
+from .pi05 import Pi05, param_dtype
 
 _PG = "paligemma_with_expert.paligemma."
 _VIS = _PG + "model.vision_tower.vision_model."
@@ -58,12 +62,17 @@ NAME_TABLE: list[tuple[str, str]] = [
     *[(f"{n}.{{p}}", f"{n}.{{p}}") for n in ("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out")],
 ]
 # Other names for the same tensor (the tied embedding; the time MLP of older openpi conversions).
+EMBED_TOKENS = _LM + "embed_tokens.weight"      # the embedding, when stored under its own name
+LM_HEAD = _PG + "lm_head.weight"                # openpi's single name of the tied embedding / LeRobot's head
 ALIASES = {
-    _LM + "embed_tokens.weight": _PG + "lm_head.weight",
+    EMBED_TOKENS: LM_HEAD,
     "action_time_mlp_in.weight": "time_mlp_in.weight", "action_time_mlp_in.bias": "time_mlp_in.bias",
     "action_time_mlp_out.weight": "time_mlp_out.weight", "action_time_mlp_out.bias": "time_mlp_out.bias",
 }
 IGNORED = re.compile(r"^paligemma_with_expert\.gemma_expert\.(lm_head\.weight|model\.embed_tokens\.weight)$")
+
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -138,8 +147,9 @@ def _listing(names, limit: int = 12) -> str:
 
 
 def read_key_map(path: str | Path) -> tuple[str, dict[str, tuple[Path, str]]]:
-    """Detect the format and map every needed parameter to (file, key in file). Raises CheckpointError
-    naming unexpected keys (and hints when the file is a π0, not π0.5, checkpoint)."""
+    """Detect the format and map every needed parameter to (file, key in file); "lm_head.weight" too when
+    the file holds a head apart from the embedding. Raises CheckpointError naming unexpected keys (and
+    hints when the file is a π0, not π0.5, checkpoint)."""
     files = _files(Path(path))
     keys: dict[str, Path] = {}
     for f in files:
@@ -152,6 +162,7 @@ def read_key_map(path: str | Path) -> tuple[str, dict[str, tuple[Path, str]]]:
                               f"{_listing(k for k in keys if not k.startswith('model.'))}")
     fmt = "lerobot" if all(prefixed) and keys else "openpi"
     mapping: dict[str, tuple[Path, str]] = {}
+    embeddings: dict[bool, tuple[Path, str]] = {}   # stored as embed_tokens (True) / as lm_head (False)
     unexpected = []
     for key, f in keys.items():
         name = key[len("model."):] if fmt == "lerobot" else key
@@ -161,8 +172,15 @@ def read_key_map(path: str | Path) -> tuple[str, dict[str, tuple[Path, str]]]:
         local = _convert(name, _TO_LOCAL)
         if local is None:
             unexpected.append(key)
-        elif local not in mapping or name == _PG + "lm_head.weight":
+        elif local == "embed_tokens.weight":
+            embeddings[key.endswith(EMBED_TOKENS)] = (f, key)
+        elif local not in mapping:
             mapping[local] = (f, key)
+    if embeddings:
+        # Embed with embed_tokens when present; lm_head is then the text head ("lm_head.weight").
+        mapping["embed_tokens.weight"] = embeddings.get(True) or embeddings[False]
+        if True in embeddings and False in embeddings:
+            mapping["lm_head.weight"] = embeddings[False]
     if unexpected:
         hint = ""
         if any("state_proj" in k or "action_time_mlp" in k for k in unexpected):
@@ -193,9 +211,48 @@ def checkpoint_settings(path: str | Path) -> dict:
     return {ours: int(data[theirs]) for theirs, ours in names.items() if isinstance(data.get(theirs), int)}
 
 
+@dataclass(frozen=True)
+class LeRobotPolicy:
+    """What a LeRobot pi05 directory says about its inputs (config.json)."""
+
+    cameras: tuple[str, ...]      # image features, in input_features order: the order they enter the prefix
+    state_in_prompt: bool = True  # LeRobot's pi05 processor always puts the discretised state in the prompt
+
+    def camera_slots(self, slots: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
+        """({feature: model slot}, problems). LeRobot feeds its cameras in input_features order, so the
+        i-th feature takes the i-th slot; a feature named after another slot contradicts that."""
+        problems = []
+        if len(self.cameras) > len(slots):
+            problems.append(f"the LeRobot checkpoint has {len(self.cameras)} cameras {list(self.cameras)}, the "
+                            f"model {len(slots)} slots {list(slots)}")
+        mapping = dict(zip(self.cameras, slots))
+        for feature, slot in mapping.items():
+            named = feature.rsplit(".", 1)[-1]
+            if named in slots and named != slot:
+                problems.append(f"LeRobot camera '{feature}' is fed at position {slots.index(slot)} (slot {slot}), "
+                                f"but is named after slot {named}: reorder input_features in its config.json "
+                                f"or rename the feature, so that position and name agree")
+        return mapping, problems
+
+
+def lerobot_policy(path: str | Path) -> LeRobotPolicy | None:
+    """The LeRobot pi05 settings of a checkpoint directory (config.json with "type": "pi05"); None otherwise."""
+    path = Path(path)
+    config = (path if path.is_dir() else path.parent) / "config.json"
+    try:
+        data = json.loads(config.read_text()) if config.is_file() else None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config}: not valid JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("type") != "pi05":
+        return None
+    features = data.get("input_features") or {}
+    return LeRobotPolicy(tuple(k for k, v in features.items() if isinstance(v, dict) and v.get("type") == "VISUAL"))
+
+
 def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "cpu",
-              dtype: torch.dtype = torch.float32) -> Pi05:
-    """Build the model for `cfg` and fill it from the checkpoint at `path` (directory or file)."""
+              dtype: torch.dtype = torch.float32, islands: bool = True) -> Pi05:
+    """Build the model for `cfg` and fill it from the checkpoint at `path` (directory or file), in `dtype`
+    except openpi's float32 islands (pi05.FLOAT32_ISLANDS) unless `islands` is False."""
     fmt, mapping = read_key_map(path)
     with torch.device("meta"):
         model = Pi05(cfg)
@@ -215,7 +272,7 @@ def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "c
             if shape != tuple(param.shape):
                 mismatched.append(f"{key} has shape {list(shape)}, the config expects {list(param.shape)}")
                 continue
-            state[name] = handles[f].get_tensor(key).to(device=device, dtype=dtype)
+            state[name] = handles[f].get_tensor(key).to(device=device, dtype=param_dtype(name, dtype, islands))
     finally:
         handles.clear()
     if mismatched:
@@ -223,6 +280,18 @@ def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "c
                               f"(wrong preset or sizes?): " + "; ".join(mismatched[:8])
                               + (f" ... and {len(mismatched) - 8} more" if len(mismatched) > 8 else ""))
     model.load_state_dict(state, strict=True, assign=True)
+    if "lm_head.weight" in mapping:
+        f, key = mapping["lm_head.weight"]
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            head = sf.get_tensor(key).to(device=device, dtype=dtype)
+        if head.shape != model.embed_tokens.weight.shape:
+            raise CheckpointError(f"{path}: {key} has shape {list(head.shape)}, the embedding "
+                                  f"{list(model.embed_tokens.weight.shape)}")
+        diff = (head.float() - model.embed_tokens.weight.float()).abs().max().item()
+        if diff > 0:
+            model.lm_head = head
+            log.warning(f"{path}: lm_head and embed_tokens differ (max |diff| {diff:.3g}): embedding with "
+                        f"embed_tokens (as LeRobot does), text logits with lm_head")
     return model.eval().requires_grad_(False)
 
 

@@ -37,9 +37,13 @@ class AdaRMSNorm(nn.Module):
         self.eps = eps
         self.dense = nn.Linear(width, 3 * width)
 
-    def modulation(self, cond: torch.Tensor, token_rows: torch.Tensor):
-        """(scale, shift, gate), each [T, width]: computed once per row, then given to the row's tokens."""
-        return tuple(part[token_rows] for part in self.dense(cond).chunk(3, dim=-1))
+    def modulation(self, cond: torch.Tensor, token_rows: torch.Tensor, dtype: torch.dtype):
+        """(scale, shift, gate), each [T, width]: computed once per row (in the dense layer's dtype: a float32
+        island in bfloat16 serving), then given to the row's tokens. scale and shift stay in that dtype (the
+        norm computes in float32); the gate multiplies the residual branch, so it comes in `dtype`."""
+        modulation = self.dense(cond.to(self.dense.weight.dtype))
+        scale, shift, gate = (part[token_rows] for part in modulation.chunk(3, dim=-1))
+        return scale, shift, gate.to(dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -85,8 +89,8 @@ class GemmaLayer(nn.Module):
         the row of each token."""
         cfg, eps = self.cfg, self.cfg.rms_eps
         if self.adaptive:
-            scale, shift, gate_attn = self.input_norm.modulation(cond, token_rows)
-            post_scale, post_shift, gate_mlp = self.post_attention_norm.modulation(cond, token_rows)
+            scale, shift, gate_attn = self.input_norm.modulation(cond, token_rows, x.dtype)
+            post_scale, post_shift, gate_mlp = self.post_attention_norm.modulation(cond, token_rows, x.dtype)
             h = kernel_ops.ada_rms_norm(x, scale, shift, eps, backend)
         else:
             gate_attn = gate_mlp = None

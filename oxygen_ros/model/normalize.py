@@ -5,6 +5,11 @@ File format (openpi `normalize.save`): {"norm_stats": {"state": {"mean", "std", 
     x_norm = (x - q01) / (q99 - q01 + 1e-6) * 2 - 1,   x = (x_norm + 1) / 2 * (q99 - q01 + 1e-6) + q01;
 π0 used z-scores ((x - mean) / (std + 1e-6)). Statistics may cover fewer dimensions than the model's
 padded action_dim: only those are (un)normalised, as upstream.
+
+LeRobot directories keep the same statistics in their processors' state:
+`policy_preprocessor_step_<i>_normalizer_processor.safetensors` (and the post-processor's
+`..._unnormalizer_processor.safetensors`), flat keys `observation.state.q01`, `action.q99`, ...; LeRobot's
+quantile formula agrees with openpi's to ~1e-6, and openpi's is the one applied here.
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from pathlib import Path
 import numpy as np
 
 EPS = 1e-6
+LEROBOT_NORMALIZER = "policy_preprocessor_step_*_normalizer_processor.safetensors"
+LEROBOT_UNNORMALIZER = "policy_postprocessor_step_*_unnormalizer_processor.safetensors"
 
 
 @dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
@@ -55,8 +62,13 @@ class Normalizer:
 
     @classmethod
     def load(cls, path: str | Path, asset_id: str | None = None, use_quantiles: bool = True) -> "Normalizer":
-        """`path`: a norm_stats.json, or a checkpoint directory holding assets/<asset_id>/norm_stats.json."""
+        """`path`: a norm_stats.json, a checkpoint directory holding assets/<asset_id>/norm_stats.json, or a
+        LeRobot policy directory (its normaliser processors' safetensors)."""
         path = Path(path)
+        lerobot = [f for pattern in (LEROBOT_NORMALIZER, LEROBOT_UNNORMALIZER)
+                   for f in sorted(path.glob(pattern))] if path.is_dir() else []
+        if lerobot and not list(path.glob("**/norm_stats.json")):
+            return cls._check(cls._from_lerobot(lerobot, use_quantiles), path)
         if path.is_dir():
             # openpi asset ids may contain a slash (assets/physical-intelligence/libero/norm_stats.json).
             found = sorted(path.glob("assets/**/norm_stats.json")) + sorted(path.glob("norm_stats.json"))
@@ -78,7 +90,30 @@ class Normalizer:
             raise ValueError(f"{path}: unknown norm stats keys {unknown} (expected 'state' and 'actions')")
         norm = cls(_stats("state", stats["state"]) if "state" in stats else None,
                    _stats("actions", stats["actions"]) if "actions" in stats else None, use_quantiles)
-        if use_quantiles:
+        return cls._check(norm, path)
+
+    @classmethod
+    def _from_lerobot(cls, files: list[Path], use_quantiles: bool) -> "Normalizer":
+        """State and action statistics from LeRobot processor files (the first file holding each wins:
+        the pre-processor's normaliser, then the post-processor's unnormaliser)."""
+        from safetensors.numpy import load_file
+
+        found: dict[str, dict] = {}
+        for f in files:
+            flat = load_file(str(f))
+            for feature, ours in (("observation.state", "state"), ("action", "actions")):
+                stats = {k[len(feature) + 1:]: v.tolist() for k, v in flat.items() if k.startswith(feature + ".")
+                         and "." not in k[len(feature) + 1:]}
+                if stats and ours not in found:
+                    found[ours] = stats
+        return cls(_stats("state", found["state"]) if "state" in found else None,
+                   _stats("actions", found["actions"]) if "actions" in found else None, use_quantiles)
+
+    @staticmethod
+    def _check(norm: "Normalizer", path: Path) -> "Normalizer":
+        if norm.state is None and norm.actions is None:
+            raise ValueError(f"{path}: no state or action statistics found")
+        if norm.use_quantiles:
             for name, s in (("state", norm.state), ("actions", norm.actions)):
                 if s is not None and (s.q01 is None or s.q99 is None):
                     raise ValueError(f"{path}: quantile normalisation (π0.5) needs q01 and q99 for '{name}'")

@@ -15,6 +15,7 @@ same (positions = cumsum(valid) - 1 is exactly the index in the compacted sequen
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,21 @@ from .attention import ActionAttention, CachedAttention
 from .config import Pi05Config
 from .gemma import AdaRMSNorm, GemmaLayer, RMSNorm, rope_cos_sin
 from .siglip import SiglipVision
+
+
+# Parameters that stay float32 when the model serves in bfloat16 (openpi's PyTorch policy: the patch and
+# position embeddings, every RMSNorm including the adaRMS modulation layers and the final norms, and the
+# action in/out projections and time MLP, which openpi never converts). Their inputs are cast up and their
+# outputs back down to the stream's dtype where they meet bfloat16 layers; norms compute in float32 anyway.
+FLOAT32_ISLANDS = re.compile(
+    r"^(vision\.patch_embedding\.|vision\.position_embedding$|"
+    r"(vlm|expert)_layers\.\d+\.(input_norm|post_attention_norm)\.|(vlm|expert)_norm\.|"
+    r"action_in_proj\.|action_out_proj\.|time_mlp_(in|out)\.)")
+
+
+def param_dtype(name: str, dtype: torch.dtype, islands: bool = True) -> torch.dtype:
+    """The dtype parameter `name` is served in when the model's dtype is `dtype`."""
+    return torch.float32 if islands and FLOAT32_ISLANDS.match(name) else dtype
 
 
 @dataclass
@@ -43,7 +59,9 @@ class Pi05(nn.Module):
         self.cfg = cfg
         self.vision = SiglipVision(cfg.vision)
         self.projector = nn.Linear(cfg.vision.width, cfg.vlm.width)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.vlm.width)  # also the LM head (tied)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.vlm.width)  # also the LM head (tied)...
+        # ...unless a checkpoint's head was fine-tuned apart from the embedding (LeRobot): then this holds it.
+        self.register_buffer("lm_head", None, persistent=False)
         self.vlm_layers = nn.ModuleList(GemmaLayer(cfg.vlm, adaptive=False) for _ in range(cfg.vlm.depth))
         self.vlm_norm = RMSNorm(cfg.vlm.width, cfg.vlm.rms_eps)
         we = cfg.expert.width
@@ -57,6 +75,12 @@ class Pi05(nn.Module):
         # Attention objects carry their own backend (chosen with the cache, see attention.py).
         self.backend = "torch"
         self._schedules: dict = {}
+
+    def to_serving_dtype(self, dtype: torch.dtype, islands: bool = True) -> "Pi05":
+        """Every parameter in `dtype`, except the float32 islands (see FLOAT32_ISLANDS) when `islands`."""
+        for name, p in self.named_parameters():
+            p.data = p.data.to(param_dtype(name, dtype, islands))
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -114,17 +138,18 @@ class Pi05(nn.Module):
         return kernel_ops.rms_norm(x[attn.last_token], self.vlm_norm.weight, self.cfg.vlm.rms_eps, self.backend)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied LM head: [R, width] -> [R, vocab] float32 (greedy decoding only needs their argmax)."""
-        return F.linear(hidden, self.embed_tokens.weight).float()
+        """LM head (the tied embedding, or a separate head): [R, width] -> [R, vocab] float32."""
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens.weight
+        return F.linear(hidden, head).float()
 
     # ------------------------------------------------------------------ actions
     def time_condition(self, t: torch.Tensor) -> torch.Tensor:
-        """adaRMS condition [R, expert width] from flow-matching times t [R] (float32)."""
+        """adaRMS condition [R, expert width] from flow-matching times t [R] (float32), in the time MLP's dtype."""
         we = self.cfg.expert.width
         fraction = torch.linspace(0.0, 1.0, we // 2, dtype=torch.float64, device=t.device)
         period = self.cfg.time_min_period * (self.cfg.time_max_period / self.cfg.time_min_period) ** fraction
         arg = (1.0 / period * 2 * math.pi)[None, :] * t[:, None]
-        emb = torch.cat([torch.sin(arg), torch.cos(arg)], dim=1).to(t.dtype).to(self.dtype)
+        emb = torch.cat([torch.sin(arg), torch.cos(arg)], dim=1).to(t.dtype).to(self.time_mlp_in.weight.dtype)
         return F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(emb))))
 
     def denoise_step(self, x_t: torch.Tensor, t: torch.Tensor, attn: ActionAttention) -> torch.Tensor:
@@ -132,11 +157,12 @@ class Pi05(nn.Module):
         c = self.cfg.expert
         rows, horizon, _ = x_t.shape
         cond = self.time_condition(t)
-        x = self.action_in_proj(x_t.to(self.dtype)).reshape(rows * horizon, c.width)
+        x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.dtype)
+        x = x.reshape(rows * horizon, c.width)
         cos, sin = rope_cos_sin(attn.positions, c.head_dim, c.rope_theta, x.dtype)
         for i, layer in enumerate(self.expert_layers):
             x = layer(x, cos, sin, attn.layer(i), cond=cond, token_rows=attn.token_rows, backend=self.backend)
-        scale, shift, _ = self.expert_norm.modulation(cond, attn.token_rows)  # the final norm's gate is unused
+        scale, shift, _ = self.expert_norm.modulation(cond, attn.token_rows, x.dtype)  # its gate is unused
         x = kernel_ops.ada_rms_norm(x, scale, shift, c.rms_eps, self.backend)
         return self.action_out_proj(x.float().to(self.action_out_proj.weight.dtype)).float().reshape(
             rows, horizon, -1)

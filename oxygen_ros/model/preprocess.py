@@ -1,8 +1,11 @@
-"""Camera images -> model pixels, exactly as openpi's PyTorch path prepares them.
+"""Camera images -> model pixels, exactly as openpi serves them.
 
-uint8 RGB [H, W, 3] -> float32 in [-1, 1] ([3, H, W]), then, when the image is not already the model's
-size, an aspect-preserving bilinear resize (align_corners=False, no antialias) that fits inside the
-target, clamped to [-1, 1] and centre-padded with -1 (black), the odd pixel going bottom/right.
+openpi's `ResizeImages` runs `shared/image_tools.resize_with_pad` on the uint8 images: `jax.image.resize`
+LINEAR with its default antialiasing (when shrinking, the triangle kernel is widened by the shrink factor,
+so every input pixel contributes), rounded back to uint8, then padded with black (0), centred, the odd
+pixel going bottom/right. The model then scales uint8 to [-1, 1]. Plain bilinear resizing without
+antialiasing differs from this by up to ~60 uint8 levels on camera-sized images; this matches it to one
+level (float rounding before the uint8 rounding), tested against openpi's outputs in `test_policy_io.py`.
 """
 from __future__ import annotations
 
@@ -11,22 +14,35 @@ import torch
 import torch.nn.functional as F
 
 
-def to_pixels(image: np.ndarray | torch.Tensor, size: int = 224) -> torch.Tensor:
-    """One RGB uint8 image [H, W, 3] -> [3, size, size] float32 in [-1, 1]."""
-    x = torch.as_tensor(np.ascontiguousarray(image) if isinstance(image, np.ndarray) else image)
-    if x.dtype != torch.uint8 or x.ndim != 3 or x.shape[-1] != 3:
-        raise ValueError(f"expected an RGB uint8 image [H, W, 3], got {x.dtype} {list(x.shape)}")
-    x = x.to(torch.float32).permute(2, 0, 1) / 255.0 * 2.0 - 1.0
-    if x.shape[1:] != (size, size):
-        x = resize_with_pad(x[None], size, size)[0]
-    return x
+def resize_with_pad(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 [h, w, C] -> uint8 [height, width, C]: aspect kept, antialiased linear, black centred padding.
 
-
-def resize_with_pad(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """[B, 3, h, w] float in [-1, 1] -> [B, 3, height, width]."""
-    _, _, h, w = images.shape
+    openpi's arithmetic, except that a side that would shrink to 0 px (an extreme aspect ratio such as
+    1x500, where openpi fails inside jax) keeps 1 px."""
+    img = np.asarray(image)
+    if img.dtype != np.uint8 or img.ndim != 3 or 0 in img.shape:
+        raise ValueError(f"expected a non-empty uint8 image [H, W, C], got {img.dtype} {list(img.shape)}")
+    h, w = img.shape[:2]
+    if (h, w) == (height, width):
+        return img
     ratio = max(w / width, h / height)
-    rh, rw = int(h / ratio), int(w / ratio)
-    resized = F.interpolate(images, size=(rh, rw), mode="bilinear", align_corners=False).clamp(-1.0, 1.0)
+    rh, rw = max(1, int(h / ratio)), max(1, int(w / ratio))
+    # torch's antialiased bilinear is the same triangle filter, widened by the shrink factor, with the
+    # same half-pixel centres and edge renormalisation as jax's scale_and_translate.
+    x = torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1)[None].to(torch.float32)
+    resized = F.interpolate(x, size=(rh, rw), mode="bilinear", align_corners=False, antialias=True)
+    resized = resized[0].permute(1, 2, 0).numpy()
+    resized = np.clip(np.round(resized), 0, 255).astype(np.uint8)
     top, left = (height - rh) // 2, (width - rw) // 2
-    return F.pad(resized, (left, width - rw - left, top, height - rh - top), value=-1.0)
+    out = np.zeros((height, width, img.shape[2]), np.uint8)
+    out[top:top + rh, left:left + rw] = resized
+    return out
+
+
+def to_pixels(image: np.ndarray | torch.Tensor, size: int = 224) -> torch.Tensor:
+    """One RGB uint8 image [H, W, 3] -> [3, size, size] float32 in [-1, 1] (resized first when needed)."""
+    x = image.numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
+    if x.dtype != np.uint8 or x.ndim != 3 or x.shape[-1] != 3:
+        raise ValueError(f"expected an RGB uint8 image [H, W, 3], got {x.dtype} {list(x.shape)}")
+    x = resize_with_pad(x, size, size)
+    return torch.from_numpy(np.ascontiguousarray(x)).permute(2, 0, 1).to(torch.float32) / 255.0 * 2.0 - 1.0

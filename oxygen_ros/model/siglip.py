@@ -47,7 +47,8 @@ class SiglipVision(nn.Module):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, 3, H, W] in [-1, 1] -> patch features [N, num_patches, width] (row-major patches)."""
         x = self.patch_embedding(pixels.to(self.patch_embedding.weight.dtype))
-        x = x.flatten(2).transpose(1, 2) + self.position_embedding
+        # The embeddings may be float32 islands in a bfloat16 tower: the encoder runs in its own dtype.
+        x = (x.flatten(2).transpose(1, 2) + self.position_embedding).to(self.post_layernorm.weight.dtype)
         for layer in self.layers:
             x = layer(x)
         return self.post_layernorm(x)

@@ -2,7 +2,8 @@
 
 The engine thread only drops each new chunk into a one-slot mailbox; the timer (its own callback group,
 so nothing else delays it) takes it, publishes it on /oxygen/action_chunk, and plays the rows through
-the ChunkFollower (latency-aware: a chunk from an observation at t0 starts at the row for now - t0).
+the ChunkFollower, which samples the chunk in time: rows are one control period apart (the checkpoint's
+rate), commands go out at action_rate_hz; a chunk from an observation at t0 starts at the time now - t0.
 Every command is clamped to the configured limits. With no fresh chunk, or stale inputs, or the output
 disabled, the configured safe behaviour applies and /diagnostics says so.
 """
@@ -39,6 +40,10 @@ PARAMS = [
     Param("lower_limits", [], "Per-dimension lower bound (empty: none)."),
     Param("upper_limits", [], "Per-dimension upper bound (empty: none)."),
     Param("max_velocity", [], "Per-dimension max change per second (empty: none)."),
+    Param("interpolate", [], "Per action dimension: true where it is position-like (interpolated between chunk "
+                             "rows), false where velocity-like (held for its row's control period). Empty: all held."),
+    Param("replan_steps", 0, "Rows the current chunk plays before a newer chunk takes over (openpi's "
+                             "open_loop_horizon / replan_steps; 0: at once).", minimum=0),
     Param("blend_steps", 0, "Ticks over which a new chunk is blended in linearly.", minimum=0),
     Param("on_exhausted", "hold", "Past the chunk's last row: hold it, or stop.", choices=("hold", "stop")),
     Param("hold_timeout_s", 1.0, "Longest hold before stopping anyway.", minimum=0.0),
@@ -59,6 +64,8 @@ class ActionPublisher(Node):
         self.names = list(p["joint_names"])
         if self.names and len(self.names) != dim:
             problems.append(f"joint_names has {len(self.names)} names, the actions have {dim} dimensions")
+        if p["interpolate"] and len(p["interpolate"]) != dim:
+            problems.append(f"interpolate has {len(p['interpolate'])} entries, the actions have {dim} dimensions")
         if p["output_type"] in ("joint_state", "joint_trajectory") and not self.names:
             problems.append(f"output_type {p['output_type']} needs joint_names")
         if abs(engine.info.action_rate_hz - p["action_rate_hz"]) > 1e-9:
@@ -72,7 +79,8 @@ class ActionPublisher(Node):
         if problems:
             raise ParameterError("\n".join(problems))
 
-        self.follower = ChunkFollower(p["blend_steps"], p["on_exhausted"])
+        self.follower = ChunkFollower(p["blend_steps"], p["on_exhausted"], [bool(v) for v in p["interpolate"]],
+                                      p["replan_steps"])
         self._incoming: ChunkResult | None = None
         self._incoming_lock = threading.Lock()
         self.enabled = p["start_enabled"]
@@ -178,7 +186,7 @@ class ActionPublisher(Node):
         self._stopped_sent = False
         if self.p["output_type"] == "joint_trajectory":
             # The controller interpolates a whole chunk: send each chunk once, when it starts.
-            if new_chunk:
+            if cmd.switched:
                 plan = self.follower.plan
                 rows = np.array([self.limits.apply(r)[0] for r in plan.actions])
                 self.pub.publish(trajectory_message(plan, rows, now, self.names))

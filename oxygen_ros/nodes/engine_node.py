@@ -15,8 +15,9 @@ from rclpy.node import Node
 from oxygen_ros.engine.config import EngineConfig, node_settings
 from oxygen_ros.engine.engine import Engine
 from oxygen_ros.engine.factory import build_engine, model_config
-from oxygen_ros.model.checkpoint import checkpoint_settings
+from oxygen_ros.model.checkpoint import checkpoint_settings, lerobot_policy
 from oxygen_ros.model.config import PREFIX_MODES, PRESETS
+from oxygen_ros.robot.policy_io import RobotIOConfig
 
 from .params import Param, ParameterError, declare_all
 
@@ -52,6 +53,14 @@ PARAMS = ENGINE_PARAMS + [
     Param("robot_action_dim", 0, "Action dimensions the robot uses (0: all of the model's).", minimum=0),
     Param("delta_action_mask", [], "Per action dimension: true where the model predicts a change from the "
                                    "current state (openpi delta actions, e.g. ALOHA joints); grippers false."),
+    Param("transform", "none", "Robot input/output transform around the model (aloha: openpi's adapt_to_pi "
+                               "joint flips and gripper conversions).", choices=("none", "aloha")),
+    Param("gripper_dims", [], "State/action dims of a linear gripper given in robot units (with gripper_range)."),
+    Param("gripper_range", [], "Robot units of the model's gripper 0 (open) and 1 (closed), e.g. a Franka "
+                               "finger joint for DROID: [0.04, 0.0]. Empty: already in [0, 1]."),
+    Param("rotate_180", [], "Camera slots turned 180° before resizing (e.g. LIBERO from a raw robosuite render)."),
+    Param("control_period_s", 0.0, "Seconds between chunk rows: the rate the checkpoint was trained at "
+                                   "(DROID 1/15, ALOHA 1/50). 0: one row per publish tick.", minimum=0.0),
     Param("torch_threads", 0, "CPU threads for torch (0: torch's default).", minimum=0),
 ]
 
@@ -94,15 +103,31 @@ class EngineNode(Node):
             elif overrides[field] != value:
                 problems.append(f"{field} {overrides[field]} differs from the checkpoint's {value} "
                                 f"({Path(p['checkpoint'])}/config.json)")
+        try:
+            lerobot = lerobot_policy(p["checkpoint"]) if p["checkpoint"] else None
+        except ValueError as e:
+            problems.append(str(e))
+            lerobot = None
         cfg = None
         if not any(pr.startswith("model ") for pr in problems):
             try:
                 cfg = model_config(p["model"], **overrides)
             except ValueError as e:
                 problems.append(str(e))
-        if cfg is not None and p["robot_action_dim"] > cfg.action_dim:
-            problems.append(f"robot_action_dim {p['robot_action_dim']} exceeds the model's action_dim "
-                            f"{cfg.action_dim}")
+        if cfg is not None:
+            problems += RobotIOConfig.from_params(p).problems(cfg.action_dim, cfg.camera_slots)
+        state_in_prompt = p["state_in_prompt"]
+        if lerobot is not None and cfg is not None:
+            cameras, camera_problems = lerobot.camera_slots(cfg.camera_slots)
+            problems += camera_problems
+            if not camera_problems:
+                self.get_logger().info("LeRobot cameras -> slots: "
+                                       + ", ".join(f"{k} -> {v}" for k, v in cameras.items()))
+            # The checkpoint was trained with what its processor did; that wins over the robot config.
+            state_in_prompt = lerobot.state_in_prompt
+            said = "" if p["state_in_prompt"] == state_in_prompt else f" (the robot config said {p['state_in_prompt']})"
+            self.get_logger().info(f"state in the prompt: {state_in_prompt}, as the LeRobot checkpoint was "
+                                   f"trained{said}")
         if problems:
             raise ParameterError("\n".join(problems))
         engine_cfg = EngineConfig(**{q.name: p[q.name] for q in ENGINE_PARAMS},
@@ -114,8 +139,7 @@ class EngineNode(Node):
                 norm_stats=p["norm_stats"] or None, asset_id=p["asset_id"] or None, engine=engine_cfg,
                 device=device, kv_budget_mb=p["kv_budget_mb"], block_size=p["block_size"],
                 backend=None if p["attention_backend"] == "auto" else p["attention_backend"],
-                robot_action_dim=p["robot_action_dim"] or None, state_in_prompt=p["state_in_prompt"],
-                delta_action_mask=[bool(v) for v in p["delta_action_mask"]] or None, seed=p["seed"])
+                robot_io=RobotIOConfig.from_params(p), state_in_prompt=state_in_prompt, seed=p["seed"])
         except (ValueError, FileNotFoundError) as e:
             raise ParameterError(str(e)) from None
         source = p["checkpoint"] or "random weights (no checkpoint)"

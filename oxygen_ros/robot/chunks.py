@@ -1,9 +1,17 @@
-"""Action chunks -> one command per control tick, aligned to the time each row is meant for.
+"""Action chunks -> one command per publish tick, sampled at the time each row is meant for.
 
-A chunk computed from an observation stamped t0 arrives some inference latency later. Its row k is
-meant for t0 + k*dt, so at time `now` the follower plays row floor((now - t0)/dt): the rows whose time
-has already passed during inference are skipped. That is the latency compensation; the robot never
-replays the start of a chunk that is already out of date.
+Two rates: a chunk's rows are one *control period* apart (dt: the rate the checkpoint was trained at,
+e.g. DROID 15 Hz, ALOHA 50 Hz), while commands go out at the *publish rate* (the 70 Hz timer). Row k of
+a chunk computed from an observation stamped t0 is meant for t0 + k*dt, so a DROID chunk of 15 rows
+spans 1 s of commands whatever the publish rate. At time `now` the follower samples the chunk at
+u = (now - t0) / dt:
+- velocity-like dimensions (joint velocities, per-step deltas) hold row floor(u) for its whole period:
+  the command is a rate, and the robot should apply that rate for as long as the row lasts;
+- position-like dimensions (`interpolate` mask: joint positions, gripper positions) are interpolated
+  linearly between rows floor(u) and floor(u) + 1: a smooth target path rather than a staircase.
+Rows whose time passed during inference are skipped (latency alignment, in the chunk's own time base).
+`replan_steps` is openpi's open-loop horizon: a newer chunk takes over only once the current one has
+played that many rows (0: at once).
 """
 
 from __future__ import annotations
@@ -53,6 +61,18 @@ class ActionChunkPlan:
         """The row meant for `now_s`; negative before t0, >= horizon once the chunk is used up."""
         return math.floor((now_s - self.stamp_s) / self.step_period_s + _EPS)
 
+    def sample(self, now_s: float, interpolate: np.ndarray | None = None) -> np.ndarray:
+        """The command at `now_s` (clamped to the chunk): rows held, except the `interpolate` dims, which
+        go linearly from their row to the next one (the last row is held for its period)."""
+        u = (now_s - self.stamp_s) / self.step_period_s
+        row = min(max(math.floor(u + _EPS), 0), self.horizon - 1)
+        action = self.actions[row].copy()
+        if interpolate is not None and interpolate.any() and row + 1 < self.horizon:
+            frac = min(max(u - row, 0.0), 1.0)
+            nxt = self.actions[row + 1]
+            action[interpolate] += frac * (nxt[interpolate] - action[interpolate])
+        return action
+
     def time_of_row(self, row: int) -> float:
         return self.stamp_s + row * self.step_period_s
 
@@ -63,51 +83,85 @@ class TickCommand:
     frame_index: int  # frame of the chunk in use; -1 without one
     index: int  # row of that chunk the action comes from; -1 when no row is used
     status: str  # one of STATUSES
+    switched: bool = False  # this tick started a newer chunk
 
 
 class ChunkFollower:
-    """Keeps the newest chunk and answers `next(now)` once per control tick.
+    """Keeps the newest chunk and answers `next(now)` once per publish tick.
 
-    blend_steps: after a switch, the first blend_steps ticks output (1 - w) * old_row + w * new_row
-    with w = (i + 1) / (blend_steps + 1), old_row being the replaced chunk's row for the same time,
-    for as long as that chunk still covers it. A chunk arriving mid-blend blends from the chunk
-    being blended in (the mixture itself is not a chunk).
-    on_exhausted: past the last row, "hold" repeats it and "stop" returns action None.
+    interpolate: per action dimension, True where it is position-like (see the module docstring);
+    None: every dimension held.
+    replan_steps: rows the current chunk plays before a newer one takes over (0: at once); a newer
+    chunk waits meanwhile, and a still newer one replaces it while it waits.
+    blend_steps: after a switch, the first blend_steps ticks output (1 - w) * old + w * new with
+    w = (i + 1) / (blend_steps + 1), `old` being the replaced chunk sampled at the same time, for as
+    long as that chunk still covers it. A chunk arriving mid-blend blends from the chunk being blended
+    in (the mixture itself is not a chunk).
+    on_exhausted: past the last row's period, "hold" repeats it and "stop" returns action None.
     """
 
-    def __init__(self, blend_steps: int = 0, on_exhausted: str = "hold"):
+    def __init__(self, blend_steps: int = 0, on_exhausted: str = "hold", interpolate=None,
+                 replan_steps: int = 0):
         if blend_steps < 0:
             raise ConfigError(f"blend_steps {blend_steps} must be >= 0")
         if on_exhausted not in ("hold", "stop"):
             raise ConfigError(f"on_exhausted {on_exhausted!r} must be 'hold' or 'stop'")
+        if replan_steps < 0:
+            raise ConfigError(f"replan_steps {replan_steps} must be >= 0")
         self.blend_steps = blend_steps
         self.on_exhausted = on_exhausted
+        self.interpolate = None if interpolate is None or len(interpolate) == 0 else np.array(interpolate, bool)
+        self.replan_steps = replan_steps
         self._plan: ActionChunkPlan | None = None
+        self._waiting: ActionChunkPlan | None = None  # newer than _plan, takes over after replan_steps rows
         self._replaced: ActionChunkPlan | None = None  # blended out over the first ticks
         self._blend_tick = 0
-        self.stats = {"chunks_accepted": 0, "chunks_ignored": 0}
+        self._switched = False  # a newer chunk started since the last tick
+        self.stats = {"chunks_accepted": 0, "chunks_ignored": 0, "chunks_superseded": 0}
 
     def push(self, plan: ActionChunkPlan) -> bool:
-        """Switch to `plan` if it is newer (higher frame_index or newer stamp); False if ignored."""
-        current = self._plan
-        if current is not None:
-            if not (plan.frame_index > current.frame_index or plan.stamp_s > current.stamp_s):
+        """Accept `plan` if it is newer (higher frame_index or newer stamp) than every chunk held; it
+        takes over at once, or once the current chunk has played replan_steps rows. False if ignored."""
+        newest = self._waiting or self._plan
+        if newest is not None:
+            if not (plan.frame_index > newest.frame_index or plan.stamp_s > newest.stamp_s):
                 self.stats["chunks_ignored"] += 1  # late or duplicate: the robot already moved on
                 return False
-            if plan.actions.shape[1] != current.actions.shape[1]:
+            if plan.actions.shape[1] != newest.actions.shape[1]:
                 raise ActionError(
                     f"action chunk of frame {plan.frame_index} has {plan.actions.shape[1]} action dims, "
-                    f"the current chunk has {current.actions.shape[1]}"
+                    f"the current chunk has {newest.actions.shape[1]}"
                 )
-        self._plan = plan
-        self._replaced = current if self.blend_steps else None
-        self._blend_tick = 0
+        if self.interpolate is not None and len(self.interpolate) != plan.actions.shape[1]:
+            raise ActionError(f"action chunk of frame {plan.frame_index} has {plan.actions.shape[1]} action "
+                              f"dims, the interpolate mask {len(self.interpolate)}")
         self.stats["chunks_accepted"] += 1
+        if self._plan is None or not self.replan_steps:
+            self._switch(plan)
+            return True
+        if self._waiting is not None:
+            self.stats["chunks_superseded"] += 1  # replaced while waiting: never played
+        self._waiting = plan
         return True
+
+    def _switch(self, plan: ActionChunkPlan) -> None:
+        self._replaced = self._plan if self.blend_steps else None
+        self._plan, self._waiting = plan, None
+        self._blend_tick = 0
+        self._switched = True
+
+    def _take_over(self, now_s: float) -> bool:
+        """Switch to the waiting chunk once the current one has played replan_steps rows (or is used up);
+        True if this tick starts a newer chunk."""
+        if self._waiting is not None and self._plan.row_at(now_s) >= self.replan_steps:
+            self._switch(self._waiting)
+        switched, self._switched = self._switched, False
+        return switched
 
     def next(self, now_s: float) -> TickCommand:
         if not math.isfinite(now_s):
             raise ActionError(f"now_s {now_s} is not finite")
+        switched = self._take_over(now_s)
         plan = self._plan
         if plan is None:
             return TickCommand(None, -1, -1, "no_chunk")
@@ -115,19 +169,18 @@ class ChunkFollower:
         if row >= plan.horizon:
             self._replaced = None
             if self.on_exhausted == "stop":
-                return TickCommand(None, plan.frame_index, -1, "stopped")
-            return TickCommand(plan.actions[-1].copy(), plan.frame_index, plan.horizon - 1, "hold")
-        action = plan.actions[row]
+                return TickCommand(None, plan.frame_index, -1, "stopped", switched)
+            return TickCommand(plan.actions[-1].copy(), plan.frame_index, plan.horizon - 1, "hold", switched)
+        action = plan.sample(now_s, self.interpolate)
         old = self._replaced
         if old is not None and self._blend_tick < self.blend_steps:
-            old_row = old.row_at(now_s)
-            if 0 <= old_row < old.horizon:
+            if 0 <= old.row_at(now_s) < old.horizon:
                 w = (self._blend_tick + 1) / (self.blend_steps + 1)
                 self._blend_tick += 1
-                blended = (1.0 - w) * old.actions[old_row] + w * action
-                return TickCommand(blended, plan.frame_index, row, "blending")
+                blended = (1.0 - w) * old.sample(now_s, self.interpolate) + w * action
+                return TickCommand(blended, plan.frame_index, row, "blending", switched)
         self._replaced = None  # blend finished, or the old chunk no longer covers now
-        return TickCommand(action.copy(), plan.frame_index, row, "ok")
+        return TickCommand(action, plan.frame_index, row, "ok", switched)
 
     @property
     def plan(self) -> ActionChunkPlan | None:

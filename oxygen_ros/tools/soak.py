@@ -31,10 +31,11 @@ def run(seconds: float, preset: str = "tiny", camera_hz: float = 15.0, request_h
     from oxygen_ros.engine.config import EngineConfig
     from oxygen_ros.engine.factory import build_engine
     from oxygen_ros.engine.requests import TextRequest
+    from oxygen_ros.robot.policy_io import RobotIOConfig
     from oxygen_ros.robot.sync import Observation
 
     engine = build_engine(preset, engine=EngineConfig(policy=policy, memory_period_s=2.0, memory_max_tokens=8),
-                          kv_budget_mb=64.0, robot_action_dim=7, seed=seed)
+                          kv_budget_mb=64.0, robot_io=RobotIOConfig(robot_action_dim=7), seed=seed)
     rng = np.random.default_rng(seed)
     images = [rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for _ in range(8)]
     stop = threading.Event()

@@ -1,0 +1,44 @@
+"""Robot configs (config/<robot>.yaml): where they are installed, and their parameters per node.
+
+Installed data is found the ROS way first: the package's share directory in the ament index
+(`get_package_share_directory`), where colcon and the ROS packages put `share/oxygen_ros/config`; then
+a source checkout (`config/` next to the package) and a pip install's `<prefix>/share/oxygen_ros/config`.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+PACKAGE = "oxygen_ros"
+
+
+def config_dirs() -> list[Path]:
+    dirs = []
+    try:
+        from ament_index_python.packages import get_package_share_directory
+
+        dirs.append(Path(get_package_share_directory(PACKAGE)) / "config")
+    except (ImportError, LookupError, OSError):   # no ament index, or the package is not in it
+        pass
+    dirs += [Path(__file__).resolve().parents[2] / "config", Path(sys.prefix) / "share" / PACKAGE / "config"]
+    return list(dict.fromkeys(dirs))
+
+
+def find_config(name: str) -> Path:
+    """config/<name>.yaml; FileNotFoundError with one line naming the places looked in."""
+    dirs = config_dirs()
+    for d in dirs:
+        f = d / f"{name}.yaml"
+        if f.is_file():
+            return f
+    raise FileNotFoundError(f"no robot config {name}.yaml in {', '.join(map(str, dirs))}")
+
+
+def node_params(path: Path, node: str) -> dict:
+    """The parameters a node gets from a ROS params file: its section over the `/**` wildcard."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    params = dict((data.get("/**") or {}).get("ros__parameters") or {})
+    params.update((data.get(node) or {}).get("ros__parameters") or {})
+    return params
