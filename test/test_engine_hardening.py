@@ -273,13 +273,16 @@ def test_a_stop_that_times_out_never_runs_beside_the_live_thread(engine_factory)
 # ---------------------------------------------------------------------------------------------- item 8
 def test_sessions_keep_cleaned_turns_and_bound_the_session_id():
     sessions = Sessions(max_turns=2, max_chars=100, max_id_chars=8)
-    sessions.record("s1", "hi" + "\0" * 1_000_000, "hello\0")
+    # Padding past max_chars that cleaning removes (far larger raw text is refused before cleaning).
+    sessions.record("s1", "hi" + "\0" * 300, "hello\0")
     assert sessions.question("s1", "and now?") == "hi\nhello\nand now?"
+    sessions.record("s2", "hi" + "\0" * 1_000_000, "hello")     # refused raw: no megabyte turn is kept
+    assert sessions.question("s2", "and now?") == "\nhello\nand now?"
     with pytest.raises(InputError, match="session_id has 9 characters, the limit is 8"):
         sessions.question("x" * 9, "hello")
     with pytest.raises(InputError):
         sessions.record("x" * 9, "hello", "there")
-    assert len(sessions) == 1
+    assert len(sessions) == 2
 
 
 # ---------------------------------------------------------------------------------------------- item 9
