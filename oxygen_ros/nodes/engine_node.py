@@ -114,9 +114,9 @@ class EngineNode(LifecycleNode):
             self.engine = self._build(problems)
             if self._attach is not None:
                 self.attached = self._attach(self.engine)
-        except ParameterError as e:
+        except Exception as e:  # noqa: BLE001 - configure never takes the node down: unconfigured, with why
             self._release()
-            self.failure = str(e)
+            self.failure = str(e) if isinstance(e, ParameterError) else f"{type(e).__name__}: {e}"
             self.get_logger().error("configure failed, staying unconfigured:\n  " + "\n  ".join(self.failure.splitlines()))
             return TransitionCallbackReturn.FAILURE
         self.failure = ""
@@ -236,6 +236,8 @@ class EngineNode(LifecycleNode):
                     delta_action_mask=[bool(v) for v in p["delta_action_mask"]] or None, seed=p["seed"])
         except (ValueError, FileNotFoundError) as e:
             raise ParameterError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a corrupt file, a device error: say which load failed
+            raise ParameterError(f"loading {source} failed: {type(e).__name__}: {e}") from None
         self.get_logger().info(f"engine ready: {p['model']} from {source} on {device}, policy {p['policy']}, "
                                f"{engine.runner.pool.num_blocks} KV blocks of {p['block_size']} tokens, "
                                f"attention {engine.runner.backend}, CUDA graphs "
