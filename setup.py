@@ -31,6 +31,7 @@ setup(
             f"oxygen_bringup = {PACKAGE}.bringup:main",
             f"oxygen_bench = {PACKAGE}.bench.__main__:main",
             f"oxygen_oracle = {PACKAGE}.tools.oracle:main",
+            f"oxygen_replay = {PACKAGE}.record.replay:main",
         ],
     },
 )

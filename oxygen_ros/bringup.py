@@ -46,6 +46,8 @@ def parse_args(argv):
                         help="tiny model + simulated robot and cameras + a demo conversation client")
     parser.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: run)")
     parser.add_argument("--status-period", type=float, default=2.0, help="seconds between status lines")
+    parser.add_argument("--record", metavar="DIR", help="record the run as ROS 2 MCAP into DIR "
+                        "(oxygen_recorder's path parameter; replay: python -m oxygen_ros.record.replay DIR)")
     parser.add_argument("--managed", action="store_true",
                         help="leave oxygen_engine unconfigured: a lifecycle manager drives its transitions")
     parser.add_argument("--threads", type=int, default=10,
@@ -103,11 +105,14 @@ class RobotNodes:
     """The nodes around a configured engine (EngineNode's `attach`): built at configure (their parameters
     are checked against the engine's model; every problem is listed), destroyed at cleanup."""
 
-    def __init__(self, engine, executors: Executors):
+    def __init__(self, engine, executors: Executors, engine_params: dict, record: str | None = None):
+        from rclpy.parameter import Parameter
+
         from .nodes.action_publisher import ActionPublisher
         from .nodes.conversation_service import ConversationService
         from .nodes.observation_node import ObservationNode
         from .nodes.params import ParameterError
+        from .record.recorder import Recorder, raw_topics
 
         self.executors = executors
         self.nodes = []
@@ -126,13 +131,20 @@ class RobotNodes:
         self.action = build(lambda: ActionPublisher(
             engine, inputs_fresh=self.observation and self.observation.inputs_fresh))
         self.conversation = build(lambda: ConversationService(engine))
+        if not problems:
+            self.recorder = build(lambda: Recorder(
+                engine, {"engine_params": engine_params, "conversation_params": self.conversation.p,
+                         "camera_slots": list(engine.runner.cfg.camera_slots)},
+                raw_topics(self.action, self.conversation, self.observation), self.action.names,
+                introspect=[self.conversation.service],
+                parameter_overrides=[Parameter("path", value=record)] if record else []))
         if problems:
             self.destroy()
             raise ParameterError("\n".join(problems))
         self.action.enabled = self.action.active = False         # until the engine node is activated
         self.conversation.active = False
         self._placed = [(executors.inputs, self.observation), (executors.actions, self.action),
-                        (executors.services, self.conversation)]
+                        (executors.services, self.conversation), (executors.other, self.recorder)]
         for executor, node in self._placed:
             executor.add_node(node)
 
@@ -145,6 +157,8 @@ class RobotNodes:
         self.action.active = self.conversation.active = False
 
     def destroy(self) -> None:
+        if getattr(self, "recorder", None) is not None:
+            self.recorder.close()
         for executor, node in getattr(self, "_placed", []):
             executor.remove_node(node)
         for node in self.nodes:
@@ -168,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(0.001)
     rclpy.init(args=rcl_args, signal_handler_options=SignalHandlerOptions.NO)
     executors = Executors(args.threads)
-    engine_node = EngineNode(attach=lambda engine: RobotNodes(engine, executors))
+    engine_node = EngineNode(attach=lambda engine: RobotNodes(engine, executors, engine_node.p, args.record))
     nodes = [engine_node]
     try:
         executors.services.add_node(engine_node)
