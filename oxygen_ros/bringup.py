@@ -107,12 +107,15 @@ class RobotNodes:
 
     def __init__(self, engine, executors: Executors, engine_params: dict, record: str | None = None):
         from rclpy.parameter import Parameter
+        from rclpy.qos import QoSProfile
+        from rclpy.service_introspection import ServiceIntrospectionState
 
         from .nodes.action_publisher import ActionPublisher
         from .nodes.conversation_service import ConversationService
         from .nodes.observation_node import ObservationNode
         from .nodes.params import ParameterError
         from .record.recorder import Recorder, raw_topics
+        from .view.view_node import ViewNode
 
         self.executors = executors
         self.nodes = []
@@ -136,15 +139,20 @@ class RobotNodes:
                 engine, {"engine_params": engine_params, "conversation_params": self.conversation.p,
                          "camera_slots": list(engine.runner.cfg.camera_slots)},
                 raw_topics(self.action, self.conversation, self.observation), self.action.names,
-                introspect=[self.conversation.service],
                 parameter_overrides=[Parameter("path", value=record)] if record else []))
+            self.view = build(lambda: ViewNode(engine, self.action, self.conversation))
         if problems:
             self.destroy()
             raise ParameterError("\n".join(problems))
+        # Questions and replies as service events (/oxygen/converse/_service_event, as ros2 service echo
+        # shows them): the debug picture shows the latest reply, the recorder stores them.
+        self.conversation.service.configure_introspection(
+            self.conversation.get_clock(), QoSProfile(depth=100), ServiceIntrospectionState.CONTENTS)
         self.action.enabled = self.action.active = False         # until the engine node is activated
         self.conversation.active = False
         self._placed = [(executors.inputs, self.observation), (executors.actions, self.action),
-                        (executors.services, self.conversation), (executors.other, self.recorder)]
+                        (executors.services, self.conversation), (executors.other, self.recorder),
+                        (executors.other, self.view)]
         for executor, node in self._placed:
             executor.add_node(node)
 

@@ -1,7 +1,7 @@
 """oxygen_engine as a managed node, driven from another process through the standard lifecycle services
 (lifecycle_msgs ChangeState/GetState), as a lifecycle manager or `ros2 lifecycle set` would: a failed
 configure (corrupt checkpoint) leaves it unconfigured with the reason; configure -> inactive (model loaded,
-no actions, requests refused); activate -> actions and replies; deactivate -> actions stop at once;
+no actions, requests refused); activate -> actions, replies and the debug image; deactivate -> actions stop at once;
 cleanup -> unconfigured; shutdown -> finalized; the process then exits cleanly."""
 import time
 
@@ -11,6 +11,7 @@ from lifecycle_msgs.msg import State, Transition
 from lifecycle_msgs.srv import ChangeState, GetState
 from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
 from rcl_interfaces.srv import SetParameters
+from sensor_msgs.msg import Image
 from std_msgs.msg import Float64MultiArray
 
 from oxygen_interfaces.srv import Converse
@@ -64,6 +65,7 @@ def managed():
 def test_transitions_through_the_lifecycle_services(managed, tmp_path):
     bringup, client = managed
     actions = client.collect(Float64MultiArray, "/oxygen/action")
+    pictures = client.collect(Image, "/oxygen/debug_image")
     diagnostics = client.collect(DiagnosticArray, "/diagnostics")
     assert state(client) == State.PRIMARY_STATE_UNCONFIGURED
 
@@ -101,6 +103,10 @@ def test_transitions_through_the_lifecycle_services(managed, tmp_path):
     assert wait_until(lambda: len(actions) > 20, 60), "no actions after activate:\n" + bringup.output()
     r = ask(client)
     assert r.success and r.tokens > 0, r
+    # The debug picture: the camera frame (224 px scaled to 448) over a 7-lane joint strip, then the reply.
+    assert wait_until(lambda: len(pictures) >= 2, 10), "no debug image"
+    picture = pictures[-1][1]
+    assert picture.encoding == "rgb8" and picture.width == 448 and picture.height > 448 + 7 * 18
 
     # Deactivate: actions stop at once (a command in flight may still land), the model stays loaded.
     assert transition(client, Transition.TRANSITION_DEACTIVATE)

@@ -22,7 +22,6 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from rclpy.serialization import serialize_message
-from rclpy.service_introspection import ServiceIntrospectionState
 from sensor_msgs.msg import CompressedImage, JointState
 from std_msgs.msg import String
 
@@ -44,8 +43,7 @@ PNG_FORMAT = "rgb8; png compressed bgr8"
 
 
 class Recorder(Node):
-    def __init__(self, engine, metadata: dict, raw_topics: dict, joint_names: list[str], introspect=(),
-                 **node_kwargs):
+    def __init__(self, engine, metadata: dict, raw_topics: dict, joint_names: list[str], **node_kwargs):
         super().__init__("oxygen_recorder", **node_kwargs)
         self.p, problems = declare_all(self, PARAMS)
         if problems:
@@ -65,8 +63,6 @@ class Recorder(Node):
         for topic, msg_type in raw_topics.items():
             self.create_subscription(msg_type, topic, lambda data, t=topic, m=msg_type: self._put(("raw", t, m, data)),
                                      qos, raw=True)
-        for service in introspect:       # request and reply contents as service events
-            service.configure_introspection(self.get_clock(), qos, ServiceIntrospectionState.CONTENTS)
         engine.add_frame_listener(lambda index, obs: self._put(("frame", index, obs)))
         engine.add_chunk_listener(lambda chunk: self._put(("chunk", chunk)))
         self._stop = threading.Event()
