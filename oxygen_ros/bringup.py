@@ -48,6 +48,8 @@ def parse_args(argv):
     parser.add_argument("--status-period", type=float, default=2.0, help="seconds between status lines")
     parser.add_argument("--record", metavar="DIR", help="record the run as ROS 2 MCAP into DIR "
                         "(oxygen_recorder's path parameter; replay: python -m oxygen_ros.record.replay DIR)")
+    parser.add_argument("--console", type=int, metavar="PORT",
+                        help="serve the operator console on http://127.0.0.1:PORT/ (oxygen_console's port)")
     parser.add_argument("--managed", action="store_true",
                         help="leave oxygen_engine unconfigured: a lifecycle manager drives its transitions")
     parser.add_argument("--threads", type=int, default=10,
@@ -105,7 +107,8 @@ class RobotNodes:
     """The nodes around a configured engine (EngineNode's `attach`): built at configure (their parameters
     are checked against the engine's model; every problem is listed), destroyed at cleanup."""
 
-    def __init__(self, engine, executors: Executors, engine_params: dict, record: str | None = None):
+    def __init__(self, engine, executors: Executors, engine_params: dict, lifecycle_state,
+                 record: str | None = None, console_port: int | None = None):
         from rclpy.parameter import Parameter
         from rclpy.qos import QoSProfile
         from rclpy.service_introspection import ServiceIntrospectionState
@@ -114,6 +117,7 @@ class RobotNodes:
         from .nodes.conversation_service import ConversationService
         from .nodes.observation_node import ObservationNode
         from .nodes.params import ParameterError
+        from .console.console_node import ConsoleNode
         from .record.recorder import Recorder, raw_topics
         from .view.view_node import ViewNode
 
@@ -141,6 +145,9 @@ class RobotNodes:
                 raw_topics(self.action, self.conversation, self.observation), self.action.names,
                 parameter_overrides=[Parameter("path", value=record)] if record else []))
             self.view = build(lambda: ViewNode(engine, self.action, self.conversation))
+            self.console = build(lambda: ConsoleNode(
+                engine, self.action, self.conversation, self.observation, self.view, lifecycle_state,
+                parameter_overrides=[Parameter("port", value=console_port)] if console_port else []))
         if problems:
             self.destroy()
             raise ParameterError("\n".join(problems))
@@ -152,7 +159,7 @@ class RobotNodes:
         self.conversation.active = False
         self._placed = [(executors.inputs, self.observation), (executors.actions, self.action),
                         (executors.services, self.conversation), (executors.other, self.recorder),
-                        (executors.other, self.view)]
+                        (executors.other, self.view), (executors.other, self.console)]
         for executor, node in self._placed:
             executor.add_node(node)
 
@@ -165,8 +172,9 @@ class RobotNodes:
         self.action.active = self.conversation.active = False
 
     def destroy(self) -> None:
-        if getattr(self, "recorder", None) is not None:
-            self.recorder.close()
+        for closing in ("console", "recorder"):
+            if getattr(self, closing, None) is not None:
+                getattr(self, closing).close()
         for executor, node in getattr(self, "_placed", []):
             executor.remove_node(node)
         for node in self.nodes:
@@ -190,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(0.001)
     rclpy.init(args=rcl_args, signal_handler_options=SignalHandlerOptions.NO)
     executors = Executors(args.threads)
-    engine_node = EngineNode(attach=lambda engine: RobotNodes(engine, executors, engine_node.p, args.record))
+    engine_node = EngineNode(attach=lambda engine: RobotNodes(
+        engine, executors, engine_node.p, lambda: engine_node.state_label, args.record, args.console))
     nodes = [engine_node]
     try:
         executors.services.add_node(engine_node)

@@ -54,7 +54,7 @@ class Camera:
 
 
 def _ascii(text: str) -> str:
-    return "".join(c if 32 <= ord(c) < 127 else ("/" if c == "\n" else "?") for c in text)
+    return "".join(c if 32 <= ord(c) < 127 else (" " if c.isspace() else "?") for c in text)
 
 
 def _put(img: np.ndarray, text: str, org, scale=0.42, color=(255, 255, 255)) -> None:
