@@ -99,3 +99,31 @@ def test_status_pictures_chat_and_enable(console):
     count = len(actions)
     assert wait_until(lambda: len(actions) > count + 10, 30), "commands did not resume"
     assert "Traceback" not in bringup.output()
+
+
+def test_bad_requests_get_a_clear_error(console):
+    import json
+    import urllib.error
+    import urllib.request
+
+    driver, _, _ = console
+    base = driver.current_url.rstrip("/")
+
+    def post(path, body: bytes):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(base + path, data=body, method="POST"), timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    assert post("/enable", b"not json") == (400, "expected a JSON body")
+    assert post("/enable", b'{"enabled": "yes"}') == (400, "'enabled' must be true or false")
+    assert post("/ask", b'{"text": "  "}') == (400, "'text' must be a non-empty string")
+    assert post("/prompt", b"[1, 2]") == (400, "expected a JSON object")
+    try:
+        urllib.request.urlopen(base + "/picture/nope", timeout=10)
+        raise AssertionError("no error for an unknown picture")
+    except urllib.error.HTTPError as e:
+        assert e.code == 404 and "one of overlay, base_0_rgb" in e.read().decode()
+    status = json.loads(urllib.request.urlopen(base + "/status", timeout=10).read())
+    assert status["lifecycle"] == "active" and status["faults"] == 0

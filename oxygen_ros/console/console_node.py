@@ -45,6 +45,10 @@ class ConsoleNode(Node):
         self.p, problems = declare_all(self, PARAMS)
         if problems:
             raise ParameterError("\n".join(problems))
+        self.url = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if not self.p["port"]:
+            return                                   # no console: nothing else is created
         self.engine, self.action, self.view, self.lifecycle_state = engine, action, view, lifecycle_state
         self.slots = list(engine.runner.cfg.camera_slots)
         from oxygen_interfaces.action import Converse as ConverseAction
@@ -55,13 +59,10 @@ class ConsoleNode(Node):
         self.prompt_pub = self.create_publisher(String, observation.p["prompt_topic"], 10)
         self._obs = None
         engine.add_frame_listener(self._on_frame)
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
-        self.url = ""
         self.asked = 0
-        if self.p["port"]:
-            self._start_server()
+        self._start_server()
 
     def _on_frame(self, index, obs) -> None:       # engine thread: a reference only
         self._obs = obs

@@ -6,6 +6,7 @@ newest picture is also kept as JPEG for the web console."""
 from __future__ import annotations
 
 import threading
+import time
 
 import cv2
 import numpy as np
@@ -64,6 +65,7 @@ class ViewNode(Node):
         self._rendered_chunk = None
         self.reply = ""
         self.jpeg: bytes = b""              # the newest picture, for the console
+        self._wanted_until = 0.0            # the console asked for pictures recently (monotonic time)
         self.pictures = 0
         engine.add_frame_listener(self._on_frame)
         engine.add_chunk_listener(self._on_chunk)
@@ -105,9 +107,14 @@ class ViewNode(Node):
             return obs.images.get(self.p["camera_slot"])
         return next((img for img in obs.images.values() if img is not None), None)
 
+    def _watched(self) -> bool:
+        """Render only for someone: a subscriber, or the console within the last few seconds."""
+        return (self.image_pub.get_subscription_count() > 0 or time.monotonic() < self._wanted_until
+                or (self.marker_pub is not None and self.marker_pub.get_subscription_count() > 0))
+
     def render_now(self) -> None:
         obs, chunk = self._obs, self._chunk
-        if obs is None or chunk is None or chunk is self._rendered_chunk:
+        if obs is None or chunk is None or chunk is self._rendered_chunk or not self._watched():
             return
         image = self._image(obs)
         if image is None:
@@ -130,6 +137,7 @@ class ViewNode(Node):
             self.marker_pub.publish(chunk_markers(plan.actions, plan.stamp_s, self.p["base_frame"]))
 
     def latest_jpeg(self) -> bytes:
+        self._wanted_until = time.monotonic() + 3.0
         with self._lock:
             return self.jpeg
 
