@@ -2,7 +2,8 @@
 (lifecycle_msgs ChangeState/GetState), as a lifecycle manager or `ros2 lifecycle set` would: a failed
 configure (corrupt checkpoint) leaves it unconfigured with the reason; configure -> inactive (model loaded,
 no actions, requests refused); activate -> actions, replies and the debug image; deactivate -> actions stop at once;
-cleanup -> unconfigured; shutdown -> finalized; the process then exits cleanly."""
+cleanup -> unconfigured (nothing published); configure again; shutdown from active -> finalized, actions
+stop; the process then exits cleanly."""
 import time
 
 import pytest
@@ -125,5 +126,18 @@ def test_transitions_through_the_lifecycle_services(managed, tmp_path):
     assert transition(client, Transition.TRANSITION_CLEANUP)
     assert state(client) == State.PRIMARY_STATE_UNCONFIGURED
     assert bringup.wait_for_line("unconfigured: model released", 5)
-    assert transition(client, Transition.TRANSITION_UNCONFIGURED_SHUTDOWN)
+    time.sleep(0.5)
+    count = len(actions)
+    time.sleep(1.0)
+    assert len(actions) == count, "actions published while unconfigured"
+
+    # Configure again (the nodes around the engine are rebuilt), activate, and shut down from active.
+    assert transition(client, Transition.TRANSITION_CONFIGURE)
+    assert transition(client, Transition.TRANSITION_ACTIVATE)
+    assert wait_until(lambda: len(actions) > count + 20, 60), "no actions after a second configure"
+    assert ask(client).success
+    assert transition(client, Transition.TRANSITION_ACTIVE_SHUTDOWN)
+    stopped = time.monotonic()
     assert state(client) == State.PRIMARY_STATE_FINALIZED
+    time.sleep(1.0)
+    assert not [t for t, _ in list(actions) if t > stopped + 0.1], "actions published after shutdown"
