@@ -109,11 +109,12 @@ def test_transitions_through_the_lifecycle_services(managed, tmp_path):
     picture = pictures[-1][1]
     assert picture.encoding == "rgb8" and picture.width == 448 and picture.height > 448 + 7 * 18
 
-    # Deactivate: actions stop at once (a command in flight may still land), the model stays loaded.
+    # Deactivate: actions stop at once (a command already in flight may land within 0.3 s on a loaded
+    # machine), the model stays loaded.
     assert transition(client, Transition.TRANSITION_DEACTIVATE)
     stopped = time.monotonic()
     time.sleep(1.0)
-    late = [t for t, _ in list(actions) if t > stopped + 0.1]
+    late = [t for t, _ in list(actions) if t > stopped + 0.3]
     assert not late, f"{len(late)} actions published after deactivate"
     assert state(client) == State.PRIMARY_STATE_INACTIVE
     assert not ask(client).success
@@ -140,4 +141,4 @@ def test_transitions_through_the_lifecycle_services(managed, tmp_path):
     stopped = time.monotonic()
     assert state(client) == State.PRIMARY_STATE_FINALIZED
     time.sleep(1.0)
-    assert not [t for t, _ in list(actions) if t > stopped + 0.1], "actions published after shutdown"
+    assert not [t for t, _ in list(actions) if t > stopped + 0.3], "actions published after shutdown"
