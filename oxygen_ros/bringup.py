@@ -141,10 +141,10 @@ class RobotNodes:
         if not problems:
             self.recorder = build(lambda: Recorder(
                 engine, {"engine_params": engine_params, "conversation_params": self.conversation.p,
-                         "camera_slots": list(engine.runner.cfg.camera_slots)},
+                         "camera_slots": self.observation.slots},
                 raw_topics(self.action, self.conversation, self.observation), self.action.names,
                 parameter_overrides=[Parameter("path", value=record)] if record else []))
-            self.view = build(lambda: ViewNode(engine, self.action, self.conversation))
+            self.view = build(lambda: ViewNode(engine, self.observation, self.action, self.conversation))
             self.console = build(lambda: ConsoleNode(
                 engine, self.action, self.conversation, self.observation, self.view, lifecycle_state,
                 parameter_overrides=[Parameter("port", value=console_port)] if console_port else []))

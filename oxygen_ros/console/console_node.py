@@ -50,7 +50,7 @@ class ConsoleNode(Node):
         if not self.p["port"]:
             return                                   # no console: nothing else is created
         self.engine, self.action, self.view, self.lifecycle_state = engine, action, view, lifecycle_state
-        self.slots = list(engine.runner.cfg.camera_slots)
+        self.slots = observation.slots
         from oxygen_interfaces.action import Converse as ConverseAction
 
         self._ConverseAction = ConverseAction

@@ -39,7 +39,7 @@ PARAMS = [
 
 
 class ViewNode(Node):
-    def __init__(self, engine, action, conversation, **node_kwargs):
+    def __init__(self, engine, observation, action, conversation, **node_kwargs):
         super().__init__("oxygen_view", **node_kwargs)
         self.p, problems = declare_all(self, PARAMS)
         p = self.p
@@ -50,7 +50,7 @@ class ViewNode(Node):
                                                  [float(v) for v in p["camera_pose"]])
             except (ValueError, TypeError) as e:
                 problems.append(f"oxygen_view: {e}")
-        slots = list(engine.runner.cfg.camera_slots)
+        slots = observation.slots
         if p["camera_slot"] and p["camera_slot"] not in slots:
             problems.append(f"oxygen_view.camera_slot {p['camera_slot']!r} is not one of {slots}")
         if problems:
