@@ -1,19 +1,22 @@
 """Recording and replay: oxygen_bringup --demo --record DIR writes ROS 2 MCAP that a standard ROS 2 MCAP
-decoder reads (mcap-ros2-support, as Foxglove does), bounded by rotation; replaying it through the engine
-gives bitwise identical chunks and identical replies and captions, and the replay notices a change
-(another noise seed, a different recorded reply)."""
+decoder reads (mcap-ros2-support, as Foxglove does), bounded by rotation (small files here, the oldest
+deleted); replaying what is left through the engine gives bitwise identical chunks and identical replies
+and captions, and the replay notices a change (another noise seed, a different recorded reply)."""
 import collections
 import json
+import time
 
 import pytest
 from mcap.reader import make_reader
 from mcap_ros2.decoder import DecoderFactory
+from rclpy.qos import QoSProfile
 from rclpy.serialization import serialize_message
 from std_msgs.msg import String
 
 from oxygen_ros.record.bag import METADATA, RotatingBag
 from oxygen_ros.record.replay import read_recording, replay, summary
-from ros_harness import Bringup, private_domain
+from oxygen_interfaces.srv import Converse
+from ros_harness import Bringup, RosClient, private_domain
 
 RECORDED = ["/diagnostics", "/oxygen/action", "/oxygen/action_chunk", "/oxygen/converse/_service_event",
             "/oxygen/memory", "/oxygen/observation/base_0_rgb/compressed",
@@ -25,9 +28,23 @@ RECORDED = ["/diagnostics", "/oxygen/action", "/oxygen/action_chunk", "/oxygen/c
 def recording(tmp_path_factory):
     out = tmp_path_factory.mktemp("bag")
     params = tmp_path_factory.mktemp("params") / "fast.yaml"
-    params.write_text("oxygen_engine:\n  ros__parameters:\n    memory_period_s: 1.0\n")
+    params.write_text("oxygen_engine:\n  ros__parameters:\n    memory_period_s: 1.0\n"
+                      "oxygen_recorder:\n  ros__parameters:\n    max_file_mb: 0.3\n    max_files: 3\n")
+    domain = private_domain(31)
     bringup = Bringup(["--demo", "--record", str(out), "--params-file", str(params), "--status-period", "0"],
-                      private_domain(31), timeout_s=14)
+                      domain, timeout_s=16)
+    client = RosClient(domain, "record_test")
+    try:
+        assert bringup.wait_for_line("oxygen_bringup: running", 90), bringup.output()
+        cli = client.node.create_client(Converse, "/oxygen/converse", qos_profile=QoSProfile(depth=100))
+        assert cli.wait_for_service(timeout_sec=30)
+        asked = 0
+        while bringup.proc.poll() is None:       # a question a second until the recording run ends
+            cli.call_async(Converse.Request(text=f"question {asked}?", max_tokens=8))
+            asked += 1
+            time.sleep(1.0)
+    finally:
+        client.close()
     assert bringup.proc.wait(90) == 0, bringup.output()
     bringup.stop()
     assert "recording closed" in bringup.output(), bringup.output()
@@ -35,25 +52,31 @@ def recording(tmp_path_factory):
 
 
 def test_every_stream_is_recorded_and_decodes_as_ros2(recording):
-    files = sorted(recording.glob("*.mcap"))
-    assert len(files) == 1
+    files = sorted(recording.glob("*.mcap"), key=lambda f: int(f.stem.rsplit("_", 1)[1]))
+    assert len(files) == 3 and not files[0].stem.endswith("_0"), files      # rotated, the oldest deleted
     counts = collections.Counter()
-    decoders = DecoderFactory()
-    with open(files[0], "rb") as f:
-        reader = make_reader(f)
-        assert reader.get_header().profile == "ros2"
-        meta = {m.name: m.metadata for m in reader.iter_metadata()}
-        assert json.loads(meta[METADATA]["engine_params"])["model"] == "tiny"
-        for schema, channel, message in reader.iter_messages():
-            assert schema.encoding == "ros2msg" and channel.message_encoding == "cdr"
-            counts[channel.topic] += 1
-            if not channel.topic.endswith("_service_event"):   # its vendored parser rejects '_' in type names
-                decoded = decoders.decoder_for("cdr", schema)(message.data)
-                if channel.topic == "/oxygen/observation/base_0_rgb/compressed":
-                    assert decoded.format.endswith("png compressed bgr8") and decoded.data[1:4] == b"PNG"
+    for path in files:
+        decoders = DecoderFactory()        # per file: it caches decoders by schema id, and ids restart per file
+        with open(path, "rb") as f:
+            reader = make_reader(f)
+            assert reader.get_header().profile == "ros2"
+            meta = {m.name: m.metadata for m in reader.iter_metadata()}
+            assert json.loads(meta[METADATA]["engine_params"])["model"] == "tiny"   # every file stands alone
+            topics = set()
+            for schema, channel, message in reader.iter_messages():
+                assert schema.encoding == "ros2msg" and channel.message_encoding == "cdr"
+                counts[channel.topic] += 1
+                topics.add(channel.topic)
+                if not channel.topic.endswith("_service_event"):   # its vendored parser rejects '_' in type names
+                    decoded = decoders.decoder_for("cdr", schema)(message.data)
+                    if channel.topic == "/oxygen/observation/base_0_rgb/compressed":
+                        assert decoded.format.endswith("png compressed bgr8") and decoded.data[1:4] == b"PNG"
+            assert "/oxygen/observation/prompt" in topics                # the prompt is repeated in each file
     assert sorted(counts) == RECORDED, counts
-    assert counts["/oxygen/action_chunk"] == counts["/oxygen/observation/state"] > 10
-    assert counts["/oxygen/converse/_service_event"] >= 4          # request and reply of >= 2 questions
+    # A frame per chunk (the first kept chunk's observation may be in the deleted file).
+    assert abs(counts["/oxygen/action_chunk"] - counts["/oxygen/observation/state"]) <= 1
+    assert counts["/oxygen/observation/state"] > 10
+    assert counts["/oxygen/converse/_service_event"] >= 6          # request and reply of >= 3 questions
 
 
 def test_replay_is_bitwise_identical(recording):

@@ -37,10 +37,12 @@ class RotatingBag:
         self._sequence = 0
         self._file_bytes = 0
 
-    def write(self, topic: str, msg_type, data: bytes, log_time_ns: int | None = None) -> None:
+    def write(self, topic: str, msg_type, data: bytes, log_time_ns: int | None = None, rotate: bool = True) -> None:
+        """rotate=False keeps this message in the current file: the parts of one observation (images, then
+        state) never straddle two files, so a file whose predecessor was deleted has no half frames."""
         if self._writer is None:
             self._open()
-        elif self._file_bytes >= self.max_file_bytes:
+        elif rotate and self._file_bytes >= self.max_file_bytes:
             self._close()
             self._open()
         channel = self._channels.get(topic)

@@ -33,7 +33,7 @@ from .bag import RotatingBag
 
 PARAMS = [
     Param("path", "", "Directory the recording goes to (MCAP files). Empty: no recording."),
-    Param("max_file_mb", 512.0, "A new file starts when the current one reaches this size (MB).", minimum=1.0),
+    Param("max_file_mb", 512.0, "A new file starts when the current one reaches this size (MB).", minimum=0.1),
     Param("max_files", 20, "Files kept; the oldest is deleted beyond this (bounds the disk used).", minimum=1),
     Param("queue_size", 2000, "Messages waiting to be written; beyond it new ones are dropped and counted.",
           minimum=10),
@@ -108,17 +108,19 @@ class Recorder(Node):
         if obs.prompt != self._prompt:
             self._prompt = obs.prompt
             self._rewrite_latched()
+        first = True                              # only the frame's first part may start a new file
         for slot, image in obs.images.items():
             if image is None:
                 continue                          # a masked slot: no message for this frame
             ok, png = cv2.imencode(".png", cv2.cvtColor(image, cv2.COLOR_RGB2BGR))
             msg = CompressedImage(format=PNG_FORMAT, data=png.tobytes())
             msg.header.stamp, msg.header.frame_id = stamp, slot
-            self.bag.write(f"{OBSERVATION}/{slot}/compressed", CompressedImage, serialize_message(msg))
+            self.bag.write(f"{OBSERVATION}/{slot}/compressed", CompressedImage, serialize_message(msg), rotate=first)
+            first = False
         state = JointState(name=self.joint_names if len(self.joint_names) == len(obs.state) else [],
                            position=[float(v) for v in obs.state])
         state.header.stamp = stamp
-        self.bag.write(f"{OBSERVATION}/state", JointState, serialize_message(state))
+        self.bag.write(f"{OBSERVATION}/state", JointState, serialize_message(state), rotate=first)
 
     def _rewrite_latched(self) -> None:
         if self._prompt is not None:
