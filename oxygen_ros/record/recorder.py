@@ -164,5 +164,7 @@ def raw_topics(action, conversation, observation) -> dict:
         observation.p["prompt_topic"]: String,
         f"{conversation.p['service_name']}/_service_event": Converse.Event,
         f"{action_name}/_action/feedback": ConverseAction.Impl.FeedbackMessage,
+        f"{action_name}/_action/send_goal/_service_event": ConverseAction.Impl.SendGoalService.Event,
+        f"{action_name}/_action/get_result/_service_event": ConverseAction.Impl.GetResultService.Event,
         f"{action_name}/_action/status": GoalStatusArray,
     }

@@ -11,9 +11,9 @@ robot actions). Every recorded greedy reply is asked again on the frame it was a
 match token count and text exactly, captions likewise. Same machine and dtype: identical; another
 machine or dtype: the report shows how far apart. Exit code 0 when all identical, 1 otherwise.
 
+Replies come from the conversation service's and the streaming action's introspection events.
 Not replayed: sampled replies (temperature > 0: the service's per-request seed is not recorded),
-streaming goals (their requests are not service events), replies that were cancelled, timed out or
-refused (they depend on timing).
+replies that were cancelled, timed out or refused (they depend on timing).
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ class Recording:
     metadata: dict
     frames: list[Frame]
     skipped: dict
+    streamed: int = 0                          # of the replies, how many were streaming goals
 
 
 def _stamp_ns(header) -> int:
@@ -75,6 +76,9 @@ def read_recording(paths: list[str]) -> Recording:
     images: dict[int, dict[str, object]] = {}
     requests: dict[tuple, object] = {}
     responses: list[tuple[tuple, object]] = []
+    goals: dict[bytes, object] = {}                # streaming goals by goal id
+    result_requests: dict[tuple, bytes] = {}       # get_result call -> goal id
+    results: list[tuple[tuple, object]] = []
     captions: list = []
     prompt = ""
     for path in _files(paths):
@@ -102,12 +106,29 @@ def read_recording(paths: list[str]) -> Recording:
                     captions.append(msg)
                 else:   # service event: request received / response sent, paired by client and sequence
                     key = (bytes(msg.info.client_gid), msg.info.sequence_number)
-                    if msg.request:
-                        requests[key] = msg.request[0]
-                    if msg.response:
-                        responses.append((key, msg.response[0]))
+                    if topic.endswith("/_action/send_goal/_service_event"):
+                        if msg.request:
+                            goals[bytes(msg.request[0].goal_id.uuid)] = msg.request[0].goal
+                    elif topic.endswith("/_action/get_result/_service_event"):
+                        if msg.request:
+                            result_requests[key] = bytes(msg.request[0].goal_id.uuid)
+                        if msg.response:
+                            results.append((key, msg.response[0].result))
+                    elif topic.endswith("/_service_event"):
+                        if msg.request:
+                            requests[key] = msg.request[0]
+                        if msg.response:
+                            responses.append((key, msg.response[0]))
     if not metadata:
         raise ValueError(f"{paths}: no '{METADATA}' metadata: not an oxygen_ros recording")
+    # Streaming goals are the same question and answer (their goal and result have the service's fields).
+    replied_goals = set()
+    for key, result in results:
+        goal_id = result_requests.get(key)
+        if goal_id is not None and goal_id not in replied_goals:   # a client may ask for a result twice
+            replied_goals.add(goal_id)
+            requests[("goal", goal_id)] = goals.get(goal_id)
+            responses.append((("goal", goal_id), result))
     frames, skipped = {}, {"no_observation": 0, "reply_not_comparable": 0, "reply_without_request": 0,
                            "reply_frame_not_recorded": 0, "caption_frame_not_recorded": 0}
     for index, (stamp, actions) in sorted(chunks.items()):
@@ -116,9 +137,10 @@ def read_recording(paths: list[str]) -> Recording:
             continue
         state, frame_prompt = states[stamp]
         frames[index] = Frame(index, stamp, actions, state, images.get(stamp, {}), frame_prompt)
+    streamed = 0
     for key, response in responses:
         request = requests.get(key)
-        if request is None:
+        if request is None:         # its request was in a deleted file (or before the recording)
             skipped["reply_without_request"] += 1
         elif not (response.success and response.finish_reason in COMPARABLE and request.temperature == 0):
             skipped["reply_not_comparable"] += 1
@@ -126,12 +148,13 @@ def read_recording(paths: list[str]) -> Recording:
             skipped["reply_frame_not_recorded"] += 1
         else:
             frames[response.frame_index].questions.append((request, response))
+            streamed += key[0] == "goal"
     for caption in captions:
         if caption.frame_index in frames:
             frames[caption.frame_index].captions.append(caption.text)
         else:
             skipped["caption_frame_not_recorded"] += 1
-    return Recording(metadata, [frames[i] for i in sorted(frames)], skipped)
+    return Recording(metadata, [frames[i] for i in sorted(frames)], skipped, streamed)
 
 
 def build_engine(engine_params: dict):
@@ -171,6 +194,7 @@ def replay(recording: Recording, engine=None, say=print) -> dict:
     slots = list(meta["camera_slots"])
     report = {"frames": len(recording.frames), "chunks_identical": 0, "chunks_different": [],
               "max_abs_action_diff": 0.0, "replies": 0, "replies_identical": 0, "replies_different": [],
+              "streamed_replies": recording.streamed,
               "captions": 0, "captions_identical": 0, "captions_different": [], "skipped": recording.skipped}
     pending = []                                   # (kind, recorded, handle)
 
