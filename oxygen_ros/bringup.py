@@ -1,11 +1,12 @@
-"""oxygen_bringup: one process, one engine, the three nodes around it (plus the simulated robot with
---demo). Works with the ROS 2 wheels from PyPI (no ros2 CLI, no launch) and on a robot's ROS 2 install.
+"""oxygen_bringup: one process, one engine, the nodes around it (observation, actions, conversation,
+recorder, view, console; plus the simulated robot with --demo). Works with the ROS 2 wheels from PyPI (no ros2 CLI, no launch) and on a robot's ROS 2 install.
 
     oxygen_bringup --robot libero --params-file my_overrides.yaml
     oxygen_bringup --demo                       # tiny model + simulated robot, closes the loop
+    oxygen_bringup --demo --console 8080 --record /tmp/bag     # + operator console, + MCAP recording
 
 Threads: the engine thread owns the device; the action publisher (70 Hz timer), the inputs and the
-services each have an executor thread of their own (see main), so image decoding or a service call never
+services each have an executor thread of their own (see Executors), so image decoding or a service call never
 delays the timer and rclpy's own Python overhead does not starve the engine. Python's GIL is shared with
 the engine's Python code, so the interpreter's switch interval is lowered (5 ms -> 1 ms): measured on 2
 cores, the timer otherwise fell to 46-66 Hz next to a busy Python thread.
