@@ -61,3 +61,12 @@ oxygen_action:
                      "action_rate_hz 50.0 differs from the engine's 70.0"):
         assert any(expected in line for line in lines), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_recording_directory_that_cannot_be_created_is_refused(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    r = bringup("--robot", "demo", "--record", str(blocker / "bag"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"oxygen_recorder.path '{blocker / 'bag'}': cannot record there:" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -56,9 +56,12 @@ class Recorder(Node):
         self.joint_names = list(joint_names)
         self._prompt = None
         self._queue: queue.Queue = queue.Queue(maxsize=self.p["queue_size"])
-        self.bag = RotatingBag(self.p["path"], int(self.p["max_file_mb"] * 1e6), self.p["max_files"],
-                               {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()},
-                               on_new_file=self._rewrite_latched)
+        try:
+            self.bag = RotatingBag(self.p["path"], int(self.p["max_file_mb"] * 1e6), self.p["max_files"],
+                                   {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()},
+                                   on_new_file=self._rewrite_latched)
+        except OSError as e:
+            raise ParameterError(f"oxygen_recorder.path {self.p['path']!r}: cannot record there: {e}") from None
         qos = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
         for topic, msg_type in raw_topics.items():
             self.create_subscription(msg_type, topic, lambda data, t=topic, m=msg_type: self._put(("raw", t, m, data)),
