@@ -185,7 +185,20 @@ class RobotNodes:
         self.nodes = []
 
     def diagnostics(self) -> list:
-        return [st for node in self.nodes for st in node.diagnostics()]
+        """Every node's statuses; one that fails reports the failure instead of ending the executor thread
+        that publishes /diagnostics (the same thread serves the conversation)."""
+        from diagnostic_msgs.msg import DiagnosticStatus
+
+        from .nodes.engine_node import status
+
+        statuses = []
+        for node in self.nodes:
+            try:
+                statuses += node.diagnostics()
+            except Exception as e:  # noqa: BLE001
+                statuses.append(status(f"oxygen_ros: {node.get_name()}", DiagnosticStatus.ERROR,
+                                       f"diagnostics failed: {type(e).__name__}: {e}", {}))
+        return statuses
 
 
 def main(argv: list[str] | None = None) -> int:
