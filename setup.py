@@ -13,7 +13,7 @@ setup(
     version="0.1.0",
     packages=packages,
     package_dir={f"{PACKAGE}.kernels": "kernels"},
-    package_data={f"{PACKAGE}.model": ["assets/*"]},
+    package_data={f"{PACKAGE}.model": ["assets/*"], f"{PACKAGE}.console": ["static/*"]},
     data_files=[
         ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),
         (f"share/{PACKAGE}", ["package.xml"]),
@@ -31,6 +31,7 @@ setup(
             f"oxygen_bringup = {PACKAGE}.bringup:main",
             f"oxygen_bench = {PACKAGE}.bench.__main__:main",
             f"oxygen_oracle = {PACKAGE}.tools.oracle:main",
+            f"oxygen_replay = {PACKAGE}.record.replay:main",
         ],
     },
 )

@@ -1,6 +1,7 @@
 """Launch oxygen_ros on a robot with a ROS 2 install:
 
     ros2 launch oxygen_ros oxygen.launch.py robot:=libero params_file:=/path/to/overrides.yaml
+    ros2 launch oxygen_ros oxygen.launch.py robot:=droid managed:=true record:=/data/bags console:=8080
 
 One process (oxygen_bringup) composes the engine and the observation, action and conversation nodes,
 so language requests reach the frame KV cache through in-process handles; `robot` picks
@@ -18,8 +19,13 @@ def _bringup(context):
     arguments = ["--robot", robot]
     if params_file:
         arguments += ["--params-file", params_file]
-    if LaunchConfiguration("demo").perform(context).lower() in ("true", "1"):
-        arguments.append("--demo")
+    for flag in ("demo", "managed"):
+        if LaunchConfiguration(flag).perform(context).lower() in ("true", "1"):
+            arguments.append(f"--{flag}")
+    for option in ("record", "console"):
+        value = LaunchConfiguration(option).perform(context)
+        if value:
+            arguments += [f"--{option}", value]
     return [Node(package="oxygen_ros", executable="oxygen_bringup", arguments=arguments, output="screen",
                  emulate_tty=True)]
 
@@ -29,5 +35,9 @@ def generate_launch_description():
         DeclareLaunchArgument("robot", default_value="libero", description="libero, droid, aloha or demo"),
         DeclareLaunchArgument("params_file", default_value="", description="ROS parameters YAML overriding the robot config"),
         DeclareLaunchArgument("demo", default_value="false", description="add the simulated robot and demo client"),
+        DeclareLaunchArgument("managed", default_value="false",
+                              description="leave /oxygen_engine's lifecycle transitions to a lifecycle manager"),
+        DeclareLaunchArgument("record", default_value="", description="record the run as ROS 2 MCAP into this directory"),
+        DeclareLaunchArgument("console", default_value="", description="serve the operator console on this port"),
         OpaqueFunction(function=_bringup),
     ])

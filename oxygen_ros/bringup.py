@@ -1,15 +1,19 @@
-"""oxygen_bringup: one process, one engine, the three nodes around it (plus the simulated robot with
---demo). Works with the ROS 2 wheels from PyPI (no ros2 CLI, no launch) and on a robot's ROS 2 install.
+"""oxygen_bringup: one process, one engine, the nodes around it (observation, actions, conversation,
+recorder, view, console; plus the simulated robot with --demo). Works with the ROS 2 wheels from PyPI (no ros2 CLI, no launch) and on a robot's ROS 2 install.
 
     oxygen_bringup --robot libero --params-file my_overrides.yaml
     oxygen_bringup --demo                       # tiny model + simulated robot, closes the loop
+    oxygen_bringup --demo --console 8080 --record /tmp/bag     # + operator console, + MCAP recording
 
 Threads: the engine thread owns the device; the action publisher (70 Hz timer), the inputs and the
-services each have an executor thread of their own (see main), so image decoding or a service call never
+services each have an executor thread of their own (see Executors), so image decoding or a service call never
 delays the timer and rclpy's own Python overhead does not starve the engine. Python's GIL is shared with
 the engine's Python code, so the interpreter's switch interval is lowered (5 ms -> 1 ms): measured on 2
 cores, the timer otherwise fell to 46-66 Hz next to a busy Python thread.
-Shutdown (SIGINT/SIGTERM): actions stop first, then the engine releases the device, then ROS.
+The engine node is a lifecycle node: the bringup configures and activates it, or with --managed leaves
+that to a lifecycle manager (ros2 lifecycle set /oxygen_engine configure, nav2's lifecycle_manager...).
+Shutdown (SIGINT/SIGTERM): the lifecycle shutdown transition, i.e. actions stop first, then the engine
+releases the device; then ROS.
 """
 from __future__ import annotations
 
@@ -32,6 +36,12 @@ def parse_args(argv):
                         help="tiny model + simulated robot and cameras + a demo conversation client")
     parser.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: run)")
     parser.add_argument("--status-period", type=float, default=2.0, help="seconds between status lines")
+    parser.add_argument("--record", metavar="DIR", help="record the run as ROS 2 MCAP into DIR "
+                        "(oxygen_recorder's path parameter; replay: python -m oxygen_ros.record.replay DIR)")
+    parser.add_argument("--console", type=int, metavar="PORT",
+                        help="serve the operator console on http://127.0.0.1:PORT/ (oxygen_console's port)")
+    parser.add_argument("--managed", action="store_true",
+                        help="leave oxygen_engine unconfigured: a lifecycle manager drives its transitions")
     parser.add_argument("--threads", type=int, default=10,
                         help="threads of the services executor (streaming goals hold one each)")
     args, ros_args = parser.parse_known_args(argv)
@@ -40,7 +50,7 @@ def parse_args(argv):
     return args, ros_args
 
 
-def status_line(engine, action, conversation) -> str:
+def status_line(engine, action) -> str:
     s = engine.stats.snapshot()
     r = action.rate.summary()
     return (f"[status] actions {r['rate_hz']:5.1f} Hz (jitter {r['period_ms_std']:.1f} ms, {action.last_status}) | "
@@ -51,17 +61,142 @@ def status_line(engine, action, conversation) -> str:
             f"faults {s['faults']}")
 
 
+class Executors:
+    """One executor (and thread) per traffic class. rclpy executors rebuild their wait set in Python for
+    every callback they run, holding the GIL: measured with everything on one MultiThreadedExecutor, its
+    spin loop held the GIL 61% of the time and the engine got 10% (frames 4x slower). Alone, the 70 Hz
+    timer's wait set is one timer and one service; camera and state messages run inline on a single
+    thread; only the services (streaming goals each hold a thread while they stream, lifecycle
+    transitions hold one while the model loads) need a pool. Nodes join and leave while they spin (the
+    engine node's configure and cleanup)."""
+
+    def __init__(self, service_threads: int):
+        from rclpy.executors import MultiThreadedExecutor, SingleThreadedExecutor
+
+        self.actions = SingleThreadedExecutor()
+        self.inputs = SingleThreadedExecutor()
+        self.services = MultiThreadedExecutor(num_threads=service_threads)
+        self.other = SingleThreadedExecutor()            # simulated robot, demo client, recorder, console
+        self._named = [(self.actions, "ros-actions"), (self.inputs, "ros-inputs"),
+                       (self.services, "ros-services"), (self.other, "ros-other")]
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        self._threads = [threading.Thread(target=e.spin, name=name, daemon=True) for e, name in self._named]
+        for t in self._threads:
+            t.start()
+
+    def shutdown(self) -> None:
+        for executor, _ in self._named:
+            executor.shutdown(timeout_sec=2.0)
+        for t in self._threads:
+            t.join(timeout=2.0)
+
+
+class RobotNodes:
+    """The nodes around a configured engine (EngineNode's `attach`): built at configure (their parameters
+    are checked against the engine's model; every problem is listed), destroyed at cleanup."""
+
+    def __init__(self, engine, executors: Executors, engine_params: dict, lifecycle_state,
+                 record: str | None = None, console_port: int | None = None):
+        from rclpy.parameter import Parameter
+        from rclpy.qos import QoSProfile
+        from rclpy.service_introspection import ServiceIntrospectionState
+
+        from .nodes.action_publisher import ActionPublisher
+        from .nodes.conversation_service import ConversationService
+        from .nodes.observation_node import ObservationNode
+        from .nodes.params import ParameterError
+        from .console.console_node import ConsoleNode
+        from .record.recorder import Recorder, raw_topics
+        from .view.view_node import ViewNode
+
+        self.executors = executors
+        self.nodes = []
+        problems: list[str] = []
+
+        def build(make):
+            try:
+                node = make()
+            except ParameterError as e:
+                problems.extend(str(e).splitlines())
+                return None
+            self.nodes.append(node)
+            return node
+
+        self.observation = build(lambda: ObservationNode(engine))
+        self.action = build(lambda: ActionPublisher(
+            engine, inputs_fresh=self.observation and self.observation.inputs_fresh))
+        self.conversation = build(lambda: ConversationService(engine))
+        if not problems:
+            self.recorder = build(lambda: Recorder(
+                engine, {"engine_params": engine_params, "conversation_params": self.conversation.p,
+                         "camera_slots": self.observation.slots},
+                raw_topics(self.action, self.conversation, self.observation), self.action.names,
+                parameter_overrides=[Parameter("path", value=record)] if record else []))
+            self.view = build(lambda: ViewNode(engine, self.observation, self.action, self.conversation))
+            self.console = build(lambda: ConsoleNode(
+                engine, self.action, self.conversation, self.observation, self.view, lifecycle_state,
+                parameter_overrides=[Parameter("port", value=console_port)] if console_port else []))
+        if problems:
+            self.destroy()
+            raise ParameterError("\n".join(problems))
+        # Questions and replies as service events (/oxygen/converse/_service_event, as ros2 service echo
+        # shows them; the streaming action's under /oxygen/converse_stream/_action/): the debug picture
+        # shows the latest reply, the recorder stores them.
+        for server in (self.conversation.service, self.conversation.action_server):
+            server.configure_introspection(self.conversation.get_clock(), QoSProfile(depth=100),
+                                           ServiceIntrospectionState.CONTENTS)
+        self.action.enabled = self.action.active = False         # until the engine node is activated
+        self.conversation.active = False
+        self._placed = [(executors.inputs, self.observation), (executors.actions, self.action),
+                        (executors.services, self.conversation), (executors.other, self.recorder),
+                        (executors.other, self.view), (executors.other, self.console)]
+        for executor, node in self._placed:
+            executor.add_node(node)
+
+    def activate(self) -> None:
+        self.conversation.active = self.action.active = True
+        self.action.set_enabled(self.action.p["start_enabled"])
+
+    def deactivate(self) -> None:
+        # Inactive first, so that no /oxygen/enable call can turn output back on after the final stop.
+        self.action.active = self.conversation.active = False
+        self.action.set_enabled(False)
+
+    def destroy(self) -> None:
+        for closing in ("console", "recorder"):
+            if getattr(self, closing, None) is not None:
+                getattr(self, closing).close()
+        for executor, node in getattr(self, "_placed", []):
+            executor.remove_node(node)
+        for node in self.nodes:
+            node.destroy_node()
+        self.nodes = []
+
+    def diagnostics(self) -> list:
+        """Every node's statuses; one that fails reports the failure instead of ending the executor thread
+        that publishes /diagnostics (the same thread serves the conversation)."""
+        from diagnostic_msgs.msg import DiagnosticStatus
+
+        from .nodes.engine_node import status
+
+        statuses = []
+        for node in self.nodes:
+            try:
+                statuses += node.diagnostics()
+            except Exception as e:  # noqa: BLE001
+                statuses.append(status(f"oxygen_ros: {node.get_name()}", DiagnosticStatus.ERROR,
+                                       f"diagnostics failed: {type(e).__name__}: {e}", {}))
+        return statuses
+
+
 def main(argv: list[str] | None = None) -> int:
     args, ros_args = parse_args(sys.argv[1:] if argv is None else argv)
     import rclpy
-    from rclpy.executors import MultiThreadedExecutor, SingleThreadedExecutor
     from rclpy.signals import SignalHandlerOptions
 
-    from .nodes.action_publisher import ActionPublisher
-    from .nodes.conversation_service import ConversationService
     from .nodes.engine_node import EngineNode
-    from .nodes.observation_node import ObservationNode
-    from .nodes.params import ParameterError
     from .robot.configs import find_config
 
     try:
@@ -75,62 +210,35 @@ def main(argv: list[str] | None = None) -> int:
     rcl_args += [a for a in ros_args if a != "--ros-args"]
     sys.setswitchinterval(0.001)
     rclpy.init(args=rcl_args, signal_handler_options=SignalHandlerOptions.NO)
-    nodes = []
-    engine = None
-    problems: list[str] = []
-
-    def build(make):
-        """A node, or None with its parameter problems collected (every node is checked before refusing)."""
-        try:
-            node = make()
-        except ParameterError as e:
-            problems.extend(str(e).splitlines())
-            return None
-        nodes.append(node)
-        return node
-
+    executors = Executors(args.threads)
+    engine_node = EngineNode(attach=lambda engine: RobotNodes(
+        engine, executors, engine_node.p, lambda: engine_node.state_label, args.record, args.console))
+    nodes = [engine_node]
     try:
-        engine_node = build(EngineNode)
-        if engine_node is not None:  # the other nodes' parameters are checked against the engine's model
-            engine = engine_node.engine
-            observation = build(lambda: ObservationNode(engine))
-            action = build(lambda: ActionPublisher(engine, inputs_fresh=observation and observation.inputs_fresh))
-            conversation = build(lambda: ConversationService(engine))
-        if problems:
-            print("oxygen_bringup: refusing to start, bad parameters:\n  " + "\n  ".join(problems), file=sys.stderr)
-            return 2
-        for node in (observation, action, conversation):
-            engine_node.add_diagnostics(node.diagnostics)
-        demo_nodes = []
+        executors.services.add_node(engine_node)
+        if not args.managed:
+            # The bringup is the lifecycle manager: configure (load, check everything), then activate.
+            engine_node.trigger_configure()
+            if engine_node.failure:
+                problems = engine_node.failure.splitlines()
+                print("oxygen_bringup: refusing to start, bad parameters:\n  " + "\n  ".join(problems),
+                      file=sys.stderr)
+                return 2
+            engine_node.trigger_activate()
         if args.demo:
             from .nodes.demo_client import DemoClient
             from .nodes.sim_robot import SimRobotNode
 
-            demo_nodes = [SimRobotNode(), DemoClient()]
-            nodes += demo_nodes
-
-        # One executor (and thread) per traffic class. rclpy executors rebuild their wait set in Python for
-        # every callback they run, holding the GIL: measured with everything on one MultiThreadedExecutor,
-        # its spin loop held the GIL 61% of the time and the engine got 10% (frames 4x slower). Alone, the
-        # 70 Hz timer's wait set is one timer and one service; camera and state messages run inline on a
-        # single thread; only the conversation node, whose streaming goals each hold a thread while they
-        # stream, needs a thread pool.
-        executors = [(SingleThreadedExecutor(), [action], "ros-actions"),
-                     (SingleThreadedExecutor(), [observation], "ros-inputs"),
-                     (MultiThreadedExecutor(num_threads=args.threads), [engine_node, conversation], "ros-services")]
-        if demo_nodes:
-            executors.append((SingleThreadedExecutor(), demo_nodes, "ros-demo"))
-        for executor, members, _ in executors:
-            for node in members:
-                executor.add_node(node)
+            for node in (SimRobotNode(), DemoClient()):
+                nodes.append(node)
+                executors.other.add_node(node)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        engine.start()
-        spinners = [threading.Thread(target=e.spin, name=name, daemon=True) for e, _, name in executors]
-        for spinner in spinners:
-            spinner.start()
-        print(f"oxygen_bringup: running ({', '.join(n.get_name() for n in nodes)}); Ctrl-C stops", flush=True)
+        executors.start()
+        how = ("managed: waiting for lifecycle transitions on /oxygen_engine/change_state" if args.managed
+               else "Ctrl-C stops")
+        print(f"oxygen_bringup: running ({', '.join(n.get_name() for n in nodes)}); {how}", flush=True)
         start = time.monotonic()
         next_status = start + args.status_period
         while not stop.wait(0.1):
@@ -138,20 +246,21 @@ def main(argv: list[str] | None = None) -> int:
             if args.duration and now - start >= args.duration:
                 break
             if args.status_period and now >= next_status:
-                print(status_line(engine, action, conversation), flush=True)
+                attached = engine_node.attached
+                if attached is not None and engine_node.state_label == "active":
+                    print(status_line(engine_node.engine, attached.action), flush=True)
+                else:
+                    print(f"[status] oxygen_engine {engine_node.state_label}", flush=True)
                 next_status += args.status_period
         # Safe shutdown order: no more commands, then the engine lets go of the device, then ROS.
-        action.shut_down()
-        engine.stop()
-        for executor, _, _ in executors:
-            executor.shutdown(timeout_sec=2.0)
-        for spinner in spinners:
-            spinner.join(timeout=2.0)
+        if engine_node.state_label != "finalized":
+            engine_node.trigger_shutdown()
+        executors.shutdown()
         print("oxygen_bringup: stopped", flush=True)
         return 0
     finally:
-        if engine is not None:
-            engine.stop()
+        if engine_node.state_label != "finalized":
+            engine_node.trigger_shutdown()
         for node in nodes:
             node.destroy_node()
         if rclpy.ok():

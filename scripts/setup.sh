@@ -34,6 +34,16 @@ fi
 
 bash scripts/build_interfaces.sh
 
+# The console's browser test drives a real headless Chromium (Debian packages; CI runs as root on Debian).
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+    echo "[setup] installing chromium and chromium-driver (apt)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  else
+    echo "[setup] chromium/chromedriver missing: the console browser test will fail (apt-get install chromium chromium-driver)"
+  fi
+fi
+
 PKG_HASH="$(fingerprint setup.py setup.cfg package.xml)"
 if [[ "$(cat "$STAMPS/package" 2>/dev/null)" != "$PKG_HASH" ]] || ! python -c "import oxygen_ros.kernels" 2>/dev/null; then
   echo "[setup] installing oxygen_ros (editable)"

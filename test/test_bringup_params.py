@@ -103,3 +103,12 @@ def test_a_missing_robot_config_is_refused_in_one_line(tmp_path, monkeypatch, ca
     assert bringup_module.main(["--robot", "droid"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"oxygen_bringup: no robot config droid.yaml in {tmp_path}"
+
+
+def test_a_recording_directory_that_cannot_be_created_is_refused(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    r = bringup("--robot", "demo", "--record", str(blocker / "bag"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"oxygen_recorder.path '{blocker / 'bag'}': cannot record there:" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -157,12 +157,12 @@ class Engine:
         self._captions: collections.deque[Caption] = collections.deque(maxlen=self.config.memory_log_size)
         self._chunk_listeners: list[Callable[[ChunkResult], None]] = []
         self._caption_listeners: list[Callable[[Caption], None]] = []
+        self._frame_listeners: list[Callable[[int, object], None]] = []
         self._frame_index = 0
         self._last_memory_frame: int | None = None
         self._last_memory_time: float | None = None
         self._subtask_text = ""
         self._prepared: PreparedFrame | None = None          # the current frame's inputs (isolated policy)
-        self._generator = torch.Generator().manual_seed(self.config.seed)
         self._consecutive_faults = 0
         self.faulted = ""                                   # non-empty: safe stop, reason
         self._start_graphs()
@@ -213,6 +213,18 @@ class Engine:
     def add_caption_listener(self, fn: Callable[[Caption], None]) -> None:
         with self._lock:
             self._caption_listeners.append(fn)
+
+    def add_frame_listener(self, fn: Callable[[int, object], None]) -> None:
+        """fn(frame_index, observation) runs on the engine thread for every observation a frame is computed
+        from (the recorder): it must return at once."""
+        with self._lock:
+            self._frame_listeners.append(fn)
+
+    def frame_noise(self, index: int) -> torch.Tensor:
+        """The flow-matching noise of frame `index`: a function of (seed, index) only, so that a recording
+        replays bit for bit from any frame on, whatever frames were dropped before it."""
+        seed = int(np.random.SeedSequence([self.config.seed, index]).generate_state(1)[0])
+        return self.runner.noise(torch.Generator().manual_seed(seed))
 
     def captions(self) -> list[Caption]:
         return list(self._captions)
@@ -325,7 +337,7 @@ class Engine:
         report.frame_index = index
         try:
             prepared = self.preparer.prepare(obs)
-            noise_t = self.runner.noise(self._generator) if noise is None else \
+            noise_t = self.frame_noise(index) if noise is None else \
                 torch.as_tensor(np.asarray(noise), dtype=torch.float32)
         except InputError as e:
             report.frame_index = None          # no frame was computed: not counted as one
@@ -333,6 +345,7 @@ class Engine:
             self.stats.note_error(f"observation rejected: {e}")
             log.warning("frame %d: observation rejected: %s", index, e)
             return None
+        self._notify(self._frame_listeners, index, obs)
         try:
             t = self.clock()
             if self.config.subtask:
@@ -403,12 +416,12 @@ class Engine:
             self._latest_chunk = None
             self.scheduler.fail_all(f"engine stopped after repeated faults: {message}")
 
-    def _notify(self, listeners: list, item) -> None:
+    def _notify(self, listeners: list, *args) -> None:
         with self._lock:
             listeners = list(listeners)
         for fn in listeners:
             try:
-                fn(item)
+                fn(*args)
             except Exception:  # noqa: BLE001 - a listener's bug must not break the cycle or leak its frame
                 self.stats.count("listener_errors")
                 log.exception("engine listener raised")

@@ -84,6 +84,7 @@ class ActionPublisher(Node):
         self._incoming: ChunkResult | None = None
         self._incoming_lock = threading.Lock()
         self.enabled = p["start_enabled"]
+        self.active = True          # False while the engine node is inactive: output cannot be enabled
         self.last_status = "no_chunk"
         self.previous: np.ndarray | None = None
         self.clamped_ticks = 0
@@ -115,6 +116,10 @@ class ActionPublisher(Node):
     def _on_enable(self, request: SetBool.Request, response: SetBool.Response) -> SetBool.Response:
         if request.data and self._shut_down:
             response.success, response.message = False, "shutting down: action output stays disabled"
+            return response
+        if request.data and not self.active:
+            response.success = False
+            response.message = "engine inactive (oxygen_engine lifecycle): activate it first"
             return response
         self.set_enabled(request.data)
         response.success = True

@@ -97,6 +97,7 @@ class ConversationService(Node):
         from oxygen_interfaces.srv import Converse
 
         self.engine = engine
+        self.active = True                  # False while the engine node is inactive: requests are refused
         self.p, problems = declare_all(self, PARAMS)
         if problems:
             raise ParameterError("\n".join(problems))
@@ -142,6 +143,8 @@ class ConversationService(Node):
 
     def _submit(self, r):
         self.counts["requests"] += 1
+        if not self.active:
+            return refused(TextRequest(r.text), "engine inactive (oxygen_engine lifecycle): activate it first")
         try:
             request = self._text_request(r)
         except ValueError as e:  # an empty or invalid question, top_p out of range, a too long session id...

@@ -1,25 +1,38 @@
-"""EngineNode: owns the engine's parameters, builds the engine once, and publishes /diagnostics.
+"""EngineNode: the engine as a managed (lifecycle) node, `oxygen_engine`; also publishes /diagnostics.
 
 The engine itself is not a ROS entity: it is a thread that owns the device. The other nodes of the
-process hold a reference to it (in-process handles: no KV and no image crosses DDS for language).
+process hold a reference to it (in-process handles: no KV and no image crosses DDS for language); they
+are built around it at configure by the `attach` callable the bringup gives (see AttachedNodes).
+
+Transitions (standard lifecycle services /oxygen_engine/change_state, get_state...):
+  configure   read and check every parameter, load model, tokenizer, norm stats, KV pool; build the nodes
+              around the engine (their parameters are checked too). Any problem: the node stays
+              unconfigured, the reason is logged and shown in /diagnostics.
+  activate    the engine thread starts, then action output and the conversation services.
+  deactivate  action output stops at once, requests are refused, the engine thread stops; model loaded.
+  cleanup     the nodes around the engine are destroyed and the device memory is released.
+  shutdown    from any state: deactivate and clean up what is there.
 """
 from __future__ import annotations
 
+import gc
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
-from rclpy.node import Node
+from rcl_interfaces.msg import SetParametersResult
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 
 from oxygen_ros.engine.config import EngineConfig, node_settings
 from oxygen_ros.engine.engine import Engine
 from oxygen_ros.engine.factory import build_engine, model_config
 from oxygen_ros.model.checkpoint import checkpoint_settings, lerobot_policy
 from oxygen_ros.model.config import PREFIX_MODES, PRESETS
+from oxygen_ros.progress import LongTask, human_bytes, size_of
 from oxygen_ros.robot.policy_io import RobotIOConfig
 
-from .params import Param, ParameterError, declare_all
+from .params import Param, ParameterError, declare_all, read_all
 
 # Engine settings come from EngineConfig (declared once, with their descriptions and bounds); the rest
 # are how the engine is built.
@@ -65,14 +78,98 @@ PARAMS = ENGINE_PARAMS + [
 ]
 
 
-class EngineNode(Node):
-    def __init__(self, **node_kwargs):
+class AttachedNodes(Protocol):
+    """What the bringup builds around a configured engine (observation, actions, conversation...)."""
+
+    def activate(self) -> None: ...
+    def deactivate(self) -> None: ...        # action output off at once, requests refused
+    def destroy(self) -> None: ...
+    def diagnostics(self) -> list[DiagnosticStatus]: ...
+
+
+class EngineNode(LifecycleNode):
+    def __init__(self, attach: Callable[[Engine], AttachedNodes] | None = None, **node_kwargs):
         super().__init__("oxygen_engine", **node_kwargs)
-        self.p, problems = declare_all(self, PARAMS)
-        self.engine = self._build(problems)
-        self._sources: list[Callable[[], list[DiagnosticStatus]]] = [self._engine_status]
+        # Read again at every configure (a failed configure is fixed by setting parameters, then configuring
+        # again); changes are refused while configured, where they would report success and change nothing.
+        self.p, _ = declare_all(self, PARAMS, read_only=False)     # checked at configure, when they are used
+        self.add_on_set_parameters_callback(self._on_set_parameters)
+        self._attach = attach
+        self.engine: Engine | None = None
+        self.attached: AttachedNodes | None = None
+        self.failure = ""                          # why the last configure failed (empty: it did not)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self.create_timer(1.0, self._publish_diagnostics)
+
+    def _on_set_parameters(self, params) -> SetParametersResult:
+        if self.engine is None:
+            return SetParametersResult(successful=True)
+        return SetParametersResult(successful=False, reason="oxygen_engine parameters apply at configure: "
+                                                            "deactivate and clean up the node first")
+
+    # ------------------------------------------------------------------ lifecycle transitions
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.p, problems = read_all(self, PARAMS)
+        try:
+            self.engine = self._build(problems)
+            if self._attach is not None:
+                self.attached = self._attach(self.engine)
+        except Exception as e:  # noqa: BLE001 - configure never takes the node down: unconfigured, with why
+            self._release()
+            self.failure = str(e) if isinstance(e, ParameterError) else f"{type(e).__name__}: {e}"
+            self.get_logger().error("configure failed, staying unconfigured:\n  " + "\n  ".join(self.failure.splitlines()))
+            return TransitionCallbackReturn.FAILURE
+        self.failure = ""
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.engine.start()
+        if self.attached is not None:
+            self.attached.activate()
+        self.get_logger().info("active: actions and conversation on")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop()
+        self.get_logger().info("inactive: actions off, requests refused, model kept loaded")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._release()
+        self.get_logger().info("unconfigured: model released")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop()
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop()
+        self._release()
+        return TransitionCallbackReturn.SUCCESS     # back to unconfigured
+
+    def _stop(self) -> None:
+        """Actions first (no command after this returns), then requests, then the engine thread."""
+        if self.attached is not None:
+            self.attached.deactivate()
+        if self.engine is not None:
+            self.engine.stop()
+
+    def _release(self) -> None:
+        if self.attached is not None:
+            self.attached.destroy()
+            self.attached = None
+        if self.engine is not None:
+            self.engine.stop()
+            self.engine = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    @property
+    def state_label(self) -> str:
+        return self._state_machine.current_state[1]
 
     def _build(self, problems: list[str]) -> Engine:
         p = self.p
@@ -132,17 +229,21 @@ class EngineNode(Node):
             raise ParameterError("\n".join(problems))
         engine_cfg = EngineConfig(**{q.name: p[q.name] for q in ENGINE_PARAMS},
                                   cuda_graphs={"auto": None, "on": True, "off": False}[p["cuda_graphs"]])
+        source = p["checkpoint"] or "random weights (no checkpoint)"
+        size = f" ({human_bytes(size_of(p['checkpoint']))})" if p["checkpoint"] else ""
         try:
             engine_cfg.validate()
-            engine = build_engine(
-                cfg, checkpoint=p["checkpoint"] or None, tokenizer=p["tokenizer"] or None,
-                norm_stats=p["norm_stats"] or None, asset_id=p["asset_id"] or None, engine=engine_cfg,
-                device=device, kv_budget_mb=p["kv_budget_mb"], block_size=p["block_size"],
-                backend=None if p["attention_backend"] == "auto" else p["attention_backend"],
-                robot_io=RobotIOConfig.from_params(p), state_in_prompt=state_in_prompt, seed=p["seed"])
+            with LongTask(f"loading model {p['model']} from {source}{size} on {device}", self.get_logger().info):
+                engine = build_engine(
+                    cfg, checkpoint=p["checkpoint"] or None, tokenizer=p["tokenizer"] or None,
+                    norm_stats=p["norm_stats"] or None, asset_id=p["asset_id"] or None, engine=engine_cfg,
+                    device=device, kv_budget_mb=p["kv_budget_mb"], block_size=p["block_size"],
+                    backend=None if p["attention_backend"] == "auto" else p["attention_backend"],
+                    robot_io=RobotIOConfig.from_params(p), state_in_prompt=state_in_prompt, seed=p["seed"])
         except (ValueError, FileNotFoundError) as e:
             raise ParameterError(str(e)) from None
-        source = p["checkpoint"] or "random weights (no checkpoint)"
+        except Exception as e:  # noqa: BLE001 - a corrupt file, a device error: say which load failed
+            raise ParameterError(f"loading {source} failed: {type(e).__name__}: {e}") from None
         self.get_logger().info(f"engine ready: {p['model']} from {source} on {device}, policy {p['policy']}, "
                                f"{engine.info.kv_blocks} KV blocks of {engine.info.block_size} tokens, "
                                f"attention {engine.info.attention_backend}, CUDA graphs "
@@ -152,29 +253,36 @@ class EngineNode(Node):
         return engine
 
     # ------------------------------------------------------------------ diagnostics
-    def add_diagnostics(self, source: Callable[[], list[DiagnosticStatus]]) -> None:
-        self._sources.append(source)
-
     def _publish_diagnostics(self) -> None:
         msg = DiagnosticArray()
         msg.header.stamp = self.get_clock().now().to_msg()
-        for source in self._sources:
-            msg.status.extend(source())
+        msg.status.extend(self._engine_status())
+        if self.attached is not None:
+            msg.status.extend(self.attached.diagnostics())
         self._diag_pub.publish(msg)
 
     def _engine_status(self) -> list[DiagnosticStatus]:
+        lifecycle = self.state_label
+        if self.engine is None:
+            if self.failure:
+                return [status("oxygen_ros: engine", DiagnosticStatus.ERROR, f"configure failed: {self.failure}",
+                               {"lifecycle": lifecycle})]
+            return [status("oxygen_ros: engine", DiagnosticStatus.WARN, lifecycle, {"lifecycle": lifecycle})]
         s = self.engine.stats.snapshot()
         level, message = DiagnosticStatus.OK, "running"
-        if self.engine.faulted:
+        if lifecycle != "active":
+            level, message = DiagnosticStatus.WARN, f"{lifecycle}: model loaded, actions off"
+        elif self.engine.faulted:
             level, message = DiagnosticStatus.ERROR, f"safe stop: {self.engine.faulted}"
         elif s["frames"] == 0:
             level, message = DiagnosticStatus.WARN, "no frame processed yet"
         elif s["frame_ms_mean"] > 1e3 * self.engine.info.frame_period_s:
             level, message = DiagnosticStatus.WARN, "frames slower than the action horizon lasts"
-        values = {k: s[k] for k in ("frames", "frame_ms_mean", "frame_ms_p99", "prefill_ms_mean", "action_ms_mean",
-                                    "action_hz", "tokens_per_s", "avg_batch", "deadline_misses", "dropped_frames",
-                                    "faults", "active_requests", "queued_requests", "pool_blocks_used",
-                                    "pool_blocks_total", "pool_occupancy", "graph_replays", "graph_fallbacks")}
+        values = {"lifecycle": lifecycle}
+        values.update({k: s[k] for k in ("frames", "frame_ms_mean", "frame_ms_p99", "prefill_ms_mean", "action_ms_mean",
+                                         "action_hz", "tokens_per_s", "avg_batch", "deadline_misses", "dropped_frames",
+                                         "faults", "active_requests", "queued_requests", "pool_blocks_used",
+                                         "pool_blocks_total", "pool_occupancy", "graph_replays", "graph_fallbacks")})
         values["cuda_graphs"] = self.engine.info.cuda_graphs
         values["last_error"] = s["last_error"]
         return [status("oxygen_ros: engine", level, message, values)]

@@ -31,7 +31,6 @@ def declare_all(node, specs: list[Param], read_only: bool = True) -> tuple[dict[
     """Declare `specs` on `node`; return ({name: value}, problems): every value outside its choices or
     range, one line each. The node adds its own consistency checks and raises ParameterError once.
     read_only=False only for a node that reads its parameters again (a lifecycle node's configure)."""
-    values, problems = {}, []
     for p in specs:
         desc = p.description
         if p.choices:
@@ -40,6 +39,14 @@ def declare_all(node, specs: list[Param], read_only: bool = True) -> tuple[dict[
         dynamic = isinstance(p.default, list) and not p.default
         node.declare_parameter(p.name, p.default,
                                ParameterDescriptor(description=desc, dynamic_typing=dynamic, read_only=read_only))
+    return read_all(node, specs)
+
+
+def read_all(node, specs: list[Param]) -> tuple[dict[str, Any], list[str]]:
+    """The current values of declared `specs` and their problems (a lifecycle node reads them again at
+    every configure: they may have been set since it was constructed)."""
+    values, problems = {}, []
+    for p in specs:
         value = node.get_parameter(p.name).value
         if isinstance(p.default, list) and value is None:
             value = []

@@ -1,0 +1,277 @@
+"""Replay a recording through the engine and check that it computes the same thing: a regression tool
+for anyone changing the model or the engine.
+
+    python -m oxygen_ros.record.replay DIR_OR_FILES... [--json report.json]
+
+The engine is built from the recorded parameters (the metadata of the MCAP files: model, checkpoint,
+seed...) exactly as the engine node builds it. Each recorded frame's observation (lossless PNG images,
+state, task prompt) goes through the engine with that frame's noise (a function of the recorded seed and
+the frame index, Engine.frame_noise), and the chunk must equal the recorded one bit for bit (float64
+robot actions). Every recorded greedy reply is asked again on the frame it was answered from and must
+match token count and text exactly, captions likewise. Same machine and dtype: identical; another
+machine or dtype: the report shows how far apart. Exit code 0 when all identical, 1 otherwise.
+
+Replies come from the conversation service's and the streaming action's introspection events.
+Not replayed: sampled replies (temperature > 0: the service's per-request seed is not recorded),
+replies that were cancelled, timed out or refused (they depend on timing).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from mcap.reader import make_reader
+from rclpy.serialization import deserialize_message
+
+from oxygen_ros.progress import LongTask
+
+from .bag import METADATA
+from .msgdef import resolve
+from .recorder import OBSERVATION
+
+COMPARABLE = ("eos", "length", "stop")        # finish reasons that do not depend on timing
+
+
+@dataclass
+class Frame:
+    index: int
+    stamp_ns: int
+    actions: np.ndarray                       # recorded chunk, robot units
+    state: np.ndarray | None = None
+    images: dict = field(default_factory=dict)
+    prompt: str = ""
+    questions: list = field(default_factory=list)    # (request msg, response msg) answered from this frame
+    captions: list = field(default_factory=list)     # recorded caption texts of this frame
+
+
+@dataclass
+class Recording:
+    metadata: dict
+    frames: list[Frame]
+    skipped: dict
+    streamed: int = 0                          # of the replies, how many were streaming goals
+
+
+def _stamp_ns(header) -> int:
+    return header.stamp.sec * 1_000_000_000 + header.stamp.nanosec
+
+
+def _files(paths: list[str]) -> list[Path]:
+    files = []
+    for p in map(Path, paths):
+        files += sorted(p.glob("*.mcap")) if p.is_dir() else [p]
+    if not files:
+        raise FileNotFoundError(f"no .mcap file in {', '.join(paths)}")
+    return files
+
+
+def read_recording(paths: list[str]) -> Recording:
+    metadata: dict = {}
+    chunks: dict[int, tuple[int, np.ndarray]] = {}
+    states: dict[int, tuple[np.ndarray, str]] = {}
+    images: dict[int, dict[str, object]] = {}
+    requests: dict[tuple, object] = {}
+    responses: list[tuple[tuple, object]] = []
+    goals: dict[bytes, object] = {}                # streaming goals by goal id
+    result_requests: dict[tuple, bytes] = {}       # get_result call -> goal id
+    results: list[tuple[tuple, object]] = []
+    captions: list = []
+    prompt = ""
+    for path in _files(paths):
+        with open(path, "rb") as stream:
+            reader = make_reader(stream)
+            for record in reader.iter_metadata():
+                if record.name == METADATA and not metadata:
+                    metadata = {k: json.loads(v) for k, v in record.metadata.items()}
+            for schema, channel, message in reader.iter_messages(log_time_order=True):
+                topic = channel.topic
+                if not (topic.startswith(OBSERVATION) or topic.endswith("_service_event")
+                        or topic in ("/oxygen/action_chunk", "/oxygen/memory")):
+                    continue
+                msg = deserialize_message(message.data, resolve(schema.name))
+                if topic == f"{OBSERVATION}/prompt":
+                    prompt = msg.data
+                elif topic == f"{OBSERVATION}/state":
+                    states[_stamp_ns(msg.header)] = (np.array(msg.position, dtype=np.float64), prompt)
+                elif topic.startswith(OBSERVATION):
+                    images.setdefault(_stamp_ns(msg.header), {})[msg.header.frame_id] = msg
+                elif topic == "/oxygen/action_chunk":
+                    actions = np.array(msg.actions, dtype=np.float64).reshape(msg.horizon, msg.dim)
+                    chunks[msg.frame_index] = (_stamp_ns(msg.header), actions)
+                elif topic == "/oxygen/memory":
+                    captions.append(msg)
+                else:   # service event: request received / response sent, paired by client and sequence
+                    key = (bytes(msg.info.client_gid), msg.info.sequence_number)
+                    if topic.endswith("/_action/send_goal/_service_event"):
+                        if msg.request:
+                            goals[bytes(msg.request[0].goal_id.uuid)] = msg.request[0].goal
+                    elif topic.endswith("/_action/get_result/_service_event"):
+                        if msg.request:
+                            result_requests[key] = bytes(msg.request[0].goal_id.uuid)
+                        if msg.response:
+                            results.append((key, msg.response[0].result))
+                    elif topic.endswith("/_service_event"):
+                        if msg.request:
+                            requests[key] = msg.request[0]
+                        if msg.response:
+                            responses.append((key, msg.response[0]))
+    if not metadata:
+        raise ValueError(f"{paths}: no '{METADATA}' metadata: not an oxygen_ros recording")
+    # Streaming goals are the same question and answer (their goal and result have the service's fields).
+    replied_goals = set()
+    for key, result in results:
+        goal_id = result_requests.get(key)
+        if goal_id is not None and goal_id not in replied_goals:   # a client may ask for a result twice
+            replied_goals.add(goal_id)
+            requests[("goal", goal_id)] = goals.get(goal_id)
+            responses.append((("goal", goal_id), result))
+    frames, skipped = {}, {"no_observation": 0, "reply_not_comparable": 0, "reply_without_request": 0,
+                           "reply_frame_not_recorded": 0, "caption_frame_not_recorded": 0}
+    for index, (stamp, actions) in sorted(chunks.items()):
+        if stamp not in states:
+            skipped["no_observation"] += 1          # its observation was in a file rotated away
+            continue
+        state, frame_prompt = states[stamp]
+        frames[index] = Frame(index, stamp, actions, state, images.get(stamp, {}), frame_prompt)
+    streamed = 0
+    for key, response in responses:
+        request = requests.get(key)
+        if request is None:         # its request was in a deleted file (or before the recording)
+            skipped["reply_without_request"] += 1
+        elif not (response.success and response.finish_reason in COMPARABLE and request.temperature == 0):
+            skipped["reply_not_comparable"] += 1
+        elif response.frame_index not in frames:
+            skipped["reply_frame_not_recorded"] += 1
+        else:
+            frames[response.frame_index].questions.append((request, response))
+            streamed += key[0] == "goal"
+    for caption in captions:
+        if caption.frame_index in frames:
+            frames[caption.frame_index].captions.append(caption.text)
+        else:
+            skipped["caption_frame_not_recorded"] += 1
+    return Recording(metadata, [frames[i] for i in sorted(frames)], skipped, streamed)
+
+
+def build_engine(engine_params: dict):
+    """The engine exactly as the engine node builds it, from the recorded parameters (memory captions
+    off: replay asks for the recorded ones itself)."""
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.parameter import Parameter
+
+    from oxygen_ros.nodes.engine_node import EngineNode
+
+    params = dict(engine_params, memory_every_frames=0, memory_period_s=0.0)
+    overrides = [Parameter(k, value=v) for k, v in params.items() if v != []]
+    context = Context()
+    rclpy.init(context=context, args=["oxygen_replay"])
+    node = EngineNode(context=context, parameter_overrides=overrides)
+    try:
+        node.trigger_configure()
+        if node.engine is None:
+            raise RuntimeError(f"cannot build the recorded engine: {node.failure}")
+        return node.engine
+    finally:
+        node.destroy_node()
+        rclpy.shutdown(context=context)
+
+
+def replay(recording: Recording, engine=None, say=print) -> dict:
+    from oxygen_ros.engine.requests import Sampling, TextRequest
+    from oxygen_ros.engine.sessions import Sessions
+    from oxygen_ros.robot.images import decode_compressed
+    from oxygen_ros.robot.sync import Observation
+
+    meta = recording.metadata
+    engine = engine or build_engine(meta["engine_params"])
+    conv = meta["conversation_params"]
+    sessions = Sessions(conv["session_turns"], conv["max_sessions"], engine.config.max_question_chars)
+    slots = list(meta["camera_slots"])
+    report = {"frames": len(recording.frames), "chunks_identical": 0, "chunks_different": [],
+              "max_abs_action_diff": 0.0, "replies": 0, "replies_identical": 0, "replies_different": [],
+              "streamed_replies": recording.streamed,
+              "captions": 0, "captions_identical": 0, "captions_different": [], "skipped": recording.skipped}
+    pending = []                                   # (kind, recorded, handle)
+
+    def ask(kind, text, max_tokens, recorded, session_id="", stop=()):
+        question = sessions.question(session_id, text) if kind == "conversation" else text
+        handle = engine.submit(TextRequest(question, max_tokens=max_tokens, sampling=Sampling(), stop=tuple(stop),
+                                           timeout_s=1e6, kind=kind, session_id=session_id))
+        if session_id:
+            handle.add_done_callback(lambda r: r.success and sessions.record(session_id, text, r.text))
+        pending.append((kind, recorded, handle))
+
+    with LongTask(f"replaying {len(recording.frames)} frames", say):
+        for frame in recording.frames:
+            for request, response in frame.questions:
+                ask("conversation", request.text, request.max_tokens or conv["default_max_tokens"], response,
+                    request.session_id, [s for s in request.stop if s])
+            for text in frame.captions:
+                ask("memory", engine.config.memory_prompt, engine.config.memory_max_tokens, text)
+            images = {s: decode_compressed(m.format, m.data, name=s) if (m := frame.images.get(s)) else None
+                      for s in slots}
+            obs = Observation(frame.stamp_ns * 1e-9, images, {s: images[s] is not None for s in slots},
+                              frame.state, frame.prompt)
+            before = engine.latest_chunk()
+            engine.run_cycle(obs, noise=engine.frame_noise(frame.index))
+            chunk = engine.latest_chunk()
+            got = chunk.plan.actions if chunk is not None and chunk is not before else None
+            if got is not None and got.shape == frame.actions.shape and np.array_equal(got, frame.actions):
+                report["chunks_identical"] += 1
+            else:
+                diff = float(np.max(np.abs(got - frame.actions))) if got is not None and \
+                    got.shape == frame.actions.shape else float("inf")
+                report["max_abs_action_diff"] = max(report["max_abs_action_diff"], diff)
+                report["chunks_different"].append({"frame": frame.index, "max_abs_diff": diff})
+        for _ in range(100_000):                   # decode what is still being generated
+            if all(h.done() for _, _, h in pending):
+                break
+            engine.run_cycle(None)
+    for kind, recorded, handle in pending:
+        reply = handle.result(timeout=0)
+        if kind == "conversation":
+            report["replies"] += 1
+            same = reply.text == recorded.reply and len(reply.tokens) == recorded.tokens
+            key, entry = "replies", {"frame": recorded.frame_index, "recorded": recorded.reply, "replayed": reply.text}
+        else:
+            report["captions"] += 1
+            same = reply.text == recorded
+            key, entry = "captions", {"recorded": recorded, "replayed": reply.text}
+        if same:
+            report[f"{key}_identical"] += 1
+        else:
+            report[f"{key}_different"].append(entry)
+    report["identical"] = (not report["chunks_different"] and not report["replies_different"]
+                           and not report["captions_different"] and report["frames"] > 0)
+    return report
+
+
+def summary(report: dict) -> str:
+    verdict = "IDENTICAL" if report["identical"] else "DIFFERENT"
+    skipped = ", ".join(f"{k} {v}" for k, v in report["skipped"].items() if v) or "none"
+    return (f"replay {verdict}: chunks {report['chunks_identical']}/{report['frames']} bitwise identical "
+            f"(max |diff| {report['max_abs_action_diff']:.3g}), replies {report['replies_identical']}/"
+            f"{report['replies']}, captions {report['captions_identical']}/{report['captions']}; skipped: {skipped}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="oxygen_replay", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paths", nargs="+", help="recording directories or .mcap files")
+    parser.add_argument("--json", help="write the full report here")
+    args = parser.parse_args(argv)
+    recording = read_recording(args.paths)
+    report = replay(recording)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    print(summary(report), flush=True)
+    return 0 if report["identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""oxygen_engine as a managed node, driven from another process through the standard lifecycle services
+(lifecycle_msgs ChangeState/GetState), as a lifecycle manager or `ros2 lifecycle set` would: a failed
+configure (corrupt checkpoint) leaves it unconfigured with the reason; configure -> inactive (model loaded,
+no actions, requests refused); activate -> actions, replies and the debug image; deactivate -> actions stop at once;
+cleanup -> unconfigured (nothing published); configure again; shutdown from active -> finalized, actions
+stop; the process then exits cleanly."""
+import time
+
+import pytest
+from diagnostic_msgs.msg import DiagnosticArray
+from lifecycle_msgs.msg import State, Transition
+from lifecycle_msgs.srv import ChangeState, GetState
+from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+from rcl_interfaces.srv import SetParameters
+from sensor_msgs.msg import Image
+from std_msgs.msg import Float64MultiArray
+
+from oxygen_interfaces.srv import Converse
+from ros_harness import Bringup, RosClient, private_domain, wait_until
+
+
+def call(client, srv_type, name, request, timeout=120.0):
+    c = client.node.create_client(srv_type, name)
+    assert c.wait_for_service(timeout_sec=30.0), f"no service {name}"
+    future = c.call_async(request)
+    assert wait_until(future.done, timeout), f"{name}: no response in {timeout} s"
+    client.node.destroy_client(c)
+    return future.result()
+
+
+def state(client) -> int:
+    return call(client, GetState, "/oxygen_engine/get_state", GetState.Request()).current_state.id
+
+
+def transition(client, transition_id: int) -> bool:
+    return call(client, ChangeState, "/oxygen_engine/change_state",
+                ChangeState.Request(transition=Transition(id=transition_id))).success
+
+
+def set_checkpoint(client, path: str) -> None:
+    value = ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=path)
+    r = call(client, SetParameters, "/oxygen_engine/set_parameters",
+             SetParameters.Request(parameters=[Parameter(name="checkpoint", value=value)]))
+    assert r.results[0].successful, r.results[0].reason
+
+
+def ask(client, text="What is on the table?"):
+    return call(client, Converse, "/oxygen/converse", Converse.Request(text=text, max_tokens=4), timeout=60.0)
+
+
+@pytest.fixture(scope="module")
+def managed():
+    domain = private_domain(23)
+    bringup = Bringup(["--demo", "--managed", "--status-period", "0"], domain)
+    client = RosClient(domain, "lifecycle_manager_test")
+    try:
+        assert bringup.wait_for_line("oxygen_bringup: running", 90), bringup.output()
+        yield bringup, client
+    finally:
+        client.close()
+        code = bringup.stop()
+        print(bringup.output())
+        assert code == 0, f"bringup exited with {code}"
+
+
+def test_transitions_through_the_lifecycle_services(managed, tmp_path):
+    bringup, client = managed
+    actions = client.collect(Float64MultiArray, "/oxygen/action")
+    pictures = client.collect(Image, "/oxygen/debug_image")
+    diagnostics = client.collect(DiagnosticArray, "/diagnostics")
+    assert state(client) == State.PRIMARY_STATE_UNCONFIGURED
+
+    # A corrupt checkpoint: configure fails, the node stays unconfigured and says why.
+    bad = tmp_path / "bad_ckpt"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes(b"this is not a safetensors file")
+    set_checkpoint(client, str(bad))
+    assert not transition(client, Transition.TRANSITION_CONFIGURE)
+    assert state(client) == State.PRIMARY_STATE_UNCONFIGURED
+    assert bringup.wait_for_line("configure failed, staying unconfigured", 5), bringup.output()
+
+    def engine_message():
+        for _, msg in reversed(list(diagnostics)):
+            for st in msg.status:
+                if st.name == "oxygen_ros: engine":
+                    return st.message
+        return ""
+    assert wait_until(lambda: "configure failed" in engine_message() and str(bad) in engine_message(), 10), \
+        engine_message()
+
+    # Configure with good parameters: inactive, model loaded, nothing published, requests refused.
+    set_checkpoint(client, "")
+    assert transition(client, Transition.TRANSITION_CONFIGURE)
+    assert state(client) == State.PRIMARY_STATE_INACTIVE
+    assert bringup.wait_for_line("loading model tiny from random weights (no checkpoint) on cpu: done in", 5)
+    time.sleep(1.5)
+    assert not actions, "actions published while inactive"
+    r = ask(client)
+    assert not r.success and "inactive" in r.error, r
+
+    # Activate: actions flow and questions are answered.
+    assert transition(client, Transition.TRANSITION_ACTIVATE)
+    assert state(client) == State.PRIMARY_STATE_ACTIVE
+    assert wait_until(lambda: len(actions) > 20, 60), "no actions after activate:\n" + bringup.output()
+    r = ask(client)
+    assert r.success and r.tokens > 0, r
+    # The debug picture: the camera frame (224 px scaled to 448) over a 7-lane joint strip, then the reply.
+    assert wait_until(lambda: len(pictures) >= 2, 10), "no debug image"
+    picture = pictures[-1][1]
+    assert picture.encoding == "rgb8" and picture.width == 448 and picture.height > 448 + 7 * 18
+
+    # Deactivate: actions stop at once (a command already in flight may land within 0.3 s on a loaded
+    # machine), the model stays loaded.
+    assert transition(client, Transition.TRANSITION_DEACTIVATE)
+    stopped = time.monotonic()
+    time.sleep(1.0)
+    late = [t for t, _ in list(actions) if t > stopped + 0.3]
+    assert not late, f"{len(late)} actions published after deactivate"
+    assert state(client) == State.PRIMARY_STATE_INACTIVE
+    assert not ask(client).success
+    assert transition(client, Transition.TRANSITION_ACTIVATE)      # no reload: active again at once
+    count = len(actions)
+    assert wait_until(lambda: len(actions) > count + 20, 30)
+    assert transition(client, Transition.TRANSITION_DEACTIVATE)
+
+    # Cleanup releases the model (and the nodes around it); shutdown finalizes.
+    assert transition(client, Transition.TRANSITION_CLEANUP)
+    assert state(client) == State.PRIMARY_STATE_UNCONFIGURED
+    assert bringup.wait_for_line("unconfigured: model released", 5)
+    time.sleep(0.5)
+    count = len(actions)
+    time.sleep(1.0)
+    assert len(actions) == count, "actions published while unconfigured"
+
+    # Configure again (the nodes around the engine are rebuilt), activate, and shut down from active.
+    assert transition(client, Transition.TRANSITION_CONFIGURE)
+    assert transition(client, Transition.TRANSITION_ACTIVATE)
+    assert wait_until(lambda: len(actions) > count + 20, 60), "no actions after a second configure"
+    assert ask(client).success
+    assert transition(client, Transition.TRANSITION_ACTIVE_SHUTDOWN)
+    stopped = time.monotonic()
+    assert state(client) == State.PRIMARY_STATE_FINALIZED
+    time.sleep(1.0)
+    assert not [t for t, _ in list(actions) if t > stopped + 0.3], "actions published after shutdown"
