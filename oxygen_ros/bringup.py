@@ -144,9 +144,7 @@ class RobotNodes:
         # Questions and replies as service events (/oxygen/converse/_service_event, as ros2 service echo
         # shows them; the streaming action's under /oxygen/converse_stream/_action/): the debug picture
         # shows the latest reply, the recorder stores them.
-        for server in (self.conversation.service, self.conversation.action_server):
-            server.configure_introspection(self.conversation.get_clock(), QoSProfile(depth=100),
-                                           ServiceIntrospectionState.CONTENTS)
+        self.conversation.configure_introspection(QoSProfile(depth=100), ServiceIntrospectionState.CONTENTS)
         self.action.enabled = self.action.active = False         # until the engine node is activated
         self.conversation.active = False
         self._placed = [(executors.inputs, self.observation), (executors.actions, self.action),

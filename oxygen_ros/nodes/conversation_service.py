@@ -131,6 +131,11 @@ class ConversationService(Node):
         engine.add_caption_listener(self._captions.put)          # engine thread: enqueue only
         self.create_timer(0.1, self._publish_captions, callback_group=MutuallyExclusiveCallbackGroup())
 
+    def configure_introspection(self, qos, state) -> None:
+        """Publish the service's and the streaming action's requests and replies as service events."""
+        for server in (self.service.service, self.action_server):
+            server.configure_introspection(self.get_clock(), qos, state)
+
     # ------------------------------------------------------------------ request mapping
     def _text_request(self, r) -> TextRequest:
         question = validate_text(r.text, what="question", max_chars=self.engine.info.max_question_chars)

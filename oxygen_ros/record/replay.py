@@ -190,7 +190,7 @@ def replay(recording: Recording, engine=None, say=print) -> dict:
     meta = recording.metadata
     engine = engine or build_engine(meta["engine_params"])
     conv = meta["conversation_params"]
-    sessions = Sessions(conv["session_turns"], conv["max_sessions"], engine.config.max_question_chars)
+    sessions = Sessions(conv["session_turns"], conv["max_sessions"], engine.info.max_question_chars)
     slots = list(meta["camera_slots"])
     report = {"frames": len(recording.frames), "chunks_identical": 0, "chunks_different": [],
               "max_abs_action_diff": 0.0, "replies": 0, "replies_identical": 0, "replies_different": [],
@@ -201,7 +201,7 @@ def replay(recording: Recording, engine=None, say=print) -> dict:
     def ask(kind, text, max_tokens, recorded, session_id="", stop=()):
         question = sessions.question(session_id, text) if kind == "conversation" else text
         handle = engine.submit(TextRequest(question, max_tokens=max_tokens, sampling=Sampling(), stop=tuple(stop),
-                                           timeout_s=1e6, kind=kind, session_id=session_id))
+                                           timeout_s=engine.config.max_timeout_s, kind=kind, session_id=session_id))
         if session_id:
             handle.add_done_callback(lambda r: r.success and sessions.record(session_id, text, r.text))
         pending.append((kind, recorded, handle))
