@@ -131,7 +131,8 @@ class RobotNodes:
         if not problems:
             self.recorder = build(lambda: Recorder(
                 engine, {"engine_params": engine_params, "conversation_params": self.conversation.p,
-                         "camera_slots": self.observation.slots},
+                         "camera_slots": self.observation.slots,
+                         "model_images": True},
                 raw_topics(self.action, self.conversation, self.observation), self.action.names,
                 parameter_overrides=[Parameter("path", value=record)] if record else []))
             self.view = build(lambda: ViewNode(engine, self.observation, self.action, self.conversation))
