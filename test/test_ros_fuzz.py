@@ -162,7 +162,9 @@ def system(tmp_path, monkeypatch):
     context = Context()
     rclpy.init(args=["fuzz", "--ros-args", "--params-file", str(params)], context=context)
     engine_node = EngineNode(context=context)
+    engine_node.trigger_configure()             # a lifecycle node: the engine exists once configured
     engine = engine_node.engine
+    assert engine is not None, engine_node.failure
     observation = ObservationNode(engine, context=context)
     action = ActionPublisher(engine, inputs_fresh=observation.inputs_fresh, context=context)
     conversation = ConversationService(engine, context=context)
@@ -267,4 +269,4 @@ def test_random_and_malformed_traffic_keeps_every_invariant(system):
     assert wait_until(lambda: engine.active_requests == 0 and engine.queued_requests == 0, 30)
     assert conversation._stream_slots == 0 and conversation._streams == {}
     engine.stop()
-    assert engine.runner.pool.allocator.num_used == 0
+    assert engine.stats.snapshot()["pool_blocks_used"] == 0
