@@ -2,7 +2,7 @@
 --demo). Works with the ROS 2 wheels from PyPI (no ros2 CLI, no launch) and on a robot's ROS 2 install.
 
     oxygen_bringup --robot libero --params-file my_overrides.yaml
-    oxygen_bringup --demo                       # tiny model + simulated robot, closes the loop
+    oxygen_bringup --demo                       # trained demo model + MuJoCo robot, closes the loop
 
 Threads: the engine thread owns the device; the action publisher (70 Hz timer), the inputs and the
 services each have an executor thread of their own (see main), so image decoding or a service call never
@@ -40,7 +40,7 @@ def parse_args(argv):
     parser.add_argument("--params-file", action="append", default=[],
                         help="ROS parameters YAML (repeatable; later files override earlier ones)")
     parser.add_argument("--demo", action="store_true",
-                        help="tiny model + simulated robot and cameras + a demo conversation client")
+                        help="the trained demo model + the MuJoCo robot and cameras + a demo conversation client")
     parser.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: run)")
     parser.add_argument("--status-period", type=float, default=2.0, help="seconds between status lines")
     parser.add_argument("--threads", type=int, default=10,
@@ -49,6 +49,22 @@ def parse_args(argv):
     if args.demo and args.robot is None:
         args.robot = "demo"
     return args, ros_args
+
+
+def demo_weights_params() -> Path:
+    """A parameters file pointing the engine at the shipped demo weights (their path depends on where the
+    package is installed, so config/demo.yaml cannot name it)."""
+    import hashlib
+    import tempfile
+
+    from .eval import demo_checkpoint
+
+    weights = demo_checkpoint()
+    digest = hashlib.sha1(str(weights).encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"oxygen_demo_weights_{digest}.yaml"
+    path.write_text(f"oxygen_engine:\n  ros__parameters:\n    checkpoint: '{weights}'\n"
+                    f"    norm_stats: '{weights / 'norm_stats.json'}'\n")
+    return path
 
 
 def status_line(engine, action, conversation) -> str:
@@ -75,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     from .nodes.params import ParameterError
 
     files = ([str(find_config(args.robot))] if args.robot else []) + args.params_file
+    if args.robot == "demo":
+        files.insert(1, str(demo_weights_params()))
     rcl_args = ["oxygen_bringup", "--ros-args"] + [a for f in files for a in ("--params-file", f)]
     rcl_args += [a for a in ros_args if a != "--ros-args"]
     sys.setswitchinterval(0.001)
@@ -110,7 +128,13 @@ def main(argv: list[str] | None = None) -> int:
             from .nodes.demo_client import DemoClient
             from .nodes.sim_robot import SimRobotNode
 
-            demo_nodes = [SimRobotNode(), DemoClient()]
+            sim = SimRobotNode()
+
+            def question():
+                q = sim.world.next_question()
+                return q.text, q.answer
+
+            demo_nodes = [sim, DemoClient(questions=question)]
             nodes += demo_nodes
 
         # One executor (and thread) per traffic class. rclpy executors rebuild their wait set in Python for
@@ -142,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.duration and now - start >= args.duration:
                 break
             if args.status_period and now >= next_status:
-                print(status_line(engine, action, conversation), flush=True)
+                print(status_line(engine, action, conversation)
+                      + (f" | {demo_nodes[0].status()}" if demo_nodes else ""), flush=True)
                 next_status += args.status_period
         # Safe shutdown order: no more commands, then the engine lets go of the device, then ROS.
         action.set_enabled(False)

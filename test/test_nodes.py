@@ -22,8 +22,8 @@ from oxygen_interfaces.srv import Converse
 from ros_harness import Bringup, RosClient, private_domain, wait_until
 
 RATE_HZ = 70.0
-LOWER = np.array([-2.9, -1.8, -2.6, -2.9, -2.1, -2.9, 0.0])
-UPPER = np.array([2.9, 1.8, 2.6, 2.9, 2.1, 2.9, 1.0])
+LOWER = np.array([-1.6, -0.6, 0.0])     # config/demo.yaml: the MuJoCo arm's 3 joints
+UPPER = np.array([1.6, 1.7, 2.6])
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +64,12 @@ def test_actions_at_70hz_while_the_engine_computes(system):
     assert len(chunks) >= 6, "the engine produced chunks while the rate was measured"
     for _, m in msgs:
         a = np.array(m.data)
-        assert a.shape == (7,) and np.all(np.isfinite(a))
+        assert a.shape == (3,) and np.all(np.isfinite(a))
         assert np.all(a >= LOWER - 1e-9) and np.all(a <= UPPER + 1e-9), "commands are clamped to the limits"
     c = chunks[-1][1]
-    assert (c.horizon, c.dim, len(c.actions)) == (20, 7, 140)     # config/demo.yaml: horizon 20
+    assert (c.horizon, c.dim, len(c.actions)) == (20, 3, 60)      # config/demo.yaml: horizon 20
     assert c.step_period_s == pytest.approx(1 / RATE_HZ) and c.compute_latency_s > 0
-    assert list(c.names) == ["joint_1", "joint_2", "joint_3", "joint_4", "joint_5", "joint_6", "gripper"]
+    assert list(c.names) == ["joint_1", "joint_2", "joint_3"]
 
 
 def test_conversation_service_answers_from_the_engine(system):

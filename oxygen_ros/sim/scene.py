@@ -77,6 +77,18 @@ def touch_point(cube_position: np.ndarray) -> np.ndarray:
     return cube_position + np.array([0.0, 0.0, CUBE_HALF + 0.012])
 
 
+def _release_gl_context() -> None:
+    """An EGL context is current in one thread at a time, and mujoco's Renderer leaves it current after
+    rendering: release it, so that another thread (a ROS executor's, the one that shuts down) may render
+    or free it."""
+    if os.environ.get("MUJOCO_GL") == "egl":
+        from mujoco import egl
+
+        if egl.EGL_DISPLAY is not None:
+            egl.EGL.eglMakeCurrent(egl.EGL_DISPLAY, egl.EGL.EGL_NO_SURFACE, egl.EGL.EGL_NO_SURFACE,
+                                   egl.EGL.EGL_NO_CONTEXT)
+
+
 class ReachScene:
     """The MuJoCo model and data of one scene; `reset(layout)` starts an episode."""
 
@@ -141,7 +153,9 @@ class ReachScene:
             self._renderers[size] = mujoco.Renderer(self.model, size, size)
         r = self._renderers[size]
         r.update_scene(self.data, camera)
-        return r.render().copy()
+        image = r.render().copy()
+        _release_gl_context()
+        return image
 
     def close(self) -> None:
         for r in self._renderers.values():
