@@ -15,6 +15,14 @@ from importlib import resources
 
 import numpy as np
 
+# Mesa's llvmpipe (the CPU renderer behind EGL) and triton each load an LLVM: importing triton after a
+# first render crashes the process (seen with mujoco 4.0 / triton 3.9; torch imports triton lazily, e.g.
+# when an optimizer is built). Loaded in this order, both work.
+try:
+    import triton  # noqa: F401
+except ImportError:
+    pass
+
 # EGL renders offscreen without a display (Mesa llvmpipe on a CPU); osmesa does not work with mujoco 4.
 os.environ.setdefault("MUJOCO_GL", "egl")
 import mujoco  # noqa: E402  (after MUJOCO_GL)

@@ -23,11 +23,12 @@ EPISODE_STEPS = 120            # expert reaches in ~40-90 steps at 70 Hz, then h
 COMMAND_NOISE = 0.03           # rad, std of the noise added to the executed command
 
 
-def generate_shard(seed: int, shard: int, image_size: int, horizon: int) -> dict[str, np.ndarray]:
+def generate_shard(seed: int, shard: int, image_size: int, horizon: int,
+                   size: int = SHARD_SIZE) -> dict[str, np.ndarray]:
     rng = np.random.default_rng([seed, shard])
     scene = ReachScene(image_size)
     out = {k: [] for k in ("image", "state", "chunk", "target", "colours", "positions", "tip")}
-    while len(out["image"]) < SHARD_SIZE:
+    while len(out["image"]) < size:
         layout = Layout.random(rng)
         scene.reset(layout)
         target = int(rng.integers(len(layout.colours)))
@@ -40,7 +41,7 @@ def generate_shard(seed: int, shard: int, image_size: int, horizon: int) -> dict
         for step in range(EPISODE_STEPS):
             q = scene.joints()
             chunk = expert_chunk(q, goal, horizon)
-            if step in picks and len(out["image"]) < SHARD_SIZE:
+            if step in picks and len(out["image"]) < size:
                 out["image"].append(scene.render("base"))
                 out["state"].append(q)
                 out["chunk"].append(chunk)
@@ -55,21 +56,20 @@ def generate_shard(seed: int, shard: int, image_size: int, horizon: int) -> dict
 
 
 def generate(out_dir: Path, samples: int, seed: int = 0, image_size: int = 64, horizon: int = 20,
-             log=print) -> list[Path]:
+             shard_size: int = SHARD_SIZE, log=print) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    shards = -(-samples // SHARD_SIZE)
-    paths, start = [], time.monotonic()
+    shards = -(-samples // shard_size)
+    paths, start, made = [], time.monotonic(), 0
     for k in range(shards):
         path = out_dir / f"shard_{k:05d}.npz"
         if not path.exists():                 # resumable: finished shards are kept
-            data = generate_shard(seed, k, image_size, horizon)
+            data = generate_shard(seed, k, image_size, horizon, shard_size)
             tmp = path.with_suffix(".tmp.npz")
             np.savez(tmp, **data)
             tmp.rename(path)
-            done = k + 1
-            rate = done * SHARD_SIZE / (time.monotonic() - start)
-            log(f"[data] shard {done}/{shards} ({rate:.0f} samples/s)")
+            made += 1
+            log(f"[data] shard {k + 1}/{shards} ({made * shard_size / (time.monotonic() - start):.0f} samples/s)")
         paths.append(path)
     return paths
 

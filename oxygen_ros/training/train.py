@@ -53,7 +53,8 @@ def flow_matching_loss(model: Pi05, batch: Batch, gen: torch.Generator) -> torch
     a = batch.actions
     b = a.shape[0]
     noise = torch.randn(a.shape, generator=gen)
-    t = torch.distributions.Beta(1.5, 1.0).sample((b,)) * 0.999 + 0.001
+    # Beta(1.5, 1) has CDF t^1.5: drawn by inversion from the batch's generator (resumable runs).
+    t = torch.rand(b, generator=gen) ** (1 / 1.5) * 0.999 + 0.001
     x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * a
     v = model.denoise_step(x_t, t, TrainActionAttention(batch.attention, a.shape[1]))
     return F.mse_loss(v, noise - a)
@@ -128,9 +129,10 @@ class Trainer:
         self.step += 1
         return flow.item(), text.item()
 
-    def run(self, log_every: int = 20, save_every: int = 200) -> list:
+    def run(self, log_every: int = 20, save_every: int = 200, until: int | None = None) -> list:
+        """Train to `steps` (or stop early at `until`, keeping the schedule of `steps`), saving the state."""
         window = []
-        while self.step < self.steps:
+        while self.step < min(self.steps, until or self.steps):
             t0 = time.monotonic()
             window.append(self.train_step())
             self.elapsed += time.monotonic() - t0
