@@ -72,14 +72,18 @@ class EpisodeResult:
     final_distance: float
 
 
-def run_episode(scene: ReachScene, layout: Layout, target: int, act, steps: int, replan: int) -> EpisodeResult:
-    """`act(scene) -> [H, 3]` joint targets; the first `replan` rows are executed before asking again."""
+def run_episode(scene: ReachScene, layout: Layout, target: int, act, steps: int, replan: int,
+                frames: list | None = None) -> EpisodeResult:
+    """`act(scene) -> [H, 3]` joint targets; the first `replan` rows are executed before asking again.
+    `frames`: collects a large base-camera render at each replan (the README's strip)."""
     scene.reset(layout)
     other = False
     chunk = None
     for k in range(steps):
         if k % replan == 0:
             chunk = act(scene)
+            if frames is not None:
+                frames.append(scene.render("base", 192))
         scene.step(chunk[k % replan])
         touched = scene.touching()
         if touched == target:
@@ -102,8 +106,17 @@ def model_actor(policy: EnginePolicy, prompt: str, rng: np.random.Generator, hor
     return act
 
 
+def save_strip(frames: list, path: Path, count: int = 5) -> None:
+    """Evenly spaced frames of an episode side by side (PNG)."""
+    import cv2
+
+    picks = [frames[round(i * (len(frames) - 1) / (count - 1))] for i in range(count)]
+    cv2.imwrite(str(path), cv2.cvtColor(np.concatenate(picks, axis=1), cv2.COLOR_RGB2BGR))
+
+
 def evaluate(episodes: int, seed: int = 0, steps: int = 210, replan: int = 10, policies=POLICIES,
-             checkpoint: Path | None = None, questions: bool = True, log=print) -> dict:
+             checkpoint: Path | None = None, questions: bool = True, strip: Path | None = None,
+             log=print) -> dict:
     torch.set_num_threads(1)
     checkpoint = Path(checkpoint or demo_checkpoint())
     cfg = model_config("demo")
@@ -128,7 +141,10 @@ def evaluate(episodes: int, seed: int = 0, steps: int = 210, replan: int = 10, p
         for p, engine in engines.items():
             chunks[p] = []
             act = model_actor(engine, prompt, np.random.default_rng(noise_seed), h, dim, chunks[p])
-            results[p].append(run_episode(scene, layout, target, act, steps, replan))
+            frames = [] if strip is not None and ep == 0 and p == main else None
+            results[p].append(run_episode(scene, layout, target, act, steps, replan, frames))
+            if frames:
+                save_strip(frames, strip)
         for p in engines:
             if len(chunks[p]) == len(chunks[main]):
                 max_chunk_diff = max([max_chunk_diff] + [float(np.abs(a - b).max())
@@ -189,8 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--checkpoint", type=Path, default=None, help="default: the shipped demo weights")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--strip", type=Path, default=None, help="PNG: frames of the first episode (README picture)")
     a = p.parse_args(argv)
-    out = evaluate(a.episodes, a.seed, a.steps, a.replan, tuple(a.policies.split(",")), a.checkpoint)
+    out = evaluate(a.episodes, a.seed, a.steps, a.replan, tuple(a.policies.split(",")), a.checkpoint,
+                   strip=a.strip)
     text = json.dumps(out, indent=1)
     if a.json:
         a.json.write_text(text + "\n")

@@ -168,13 +168,14 @@ PRESETS: dict[str, Pi05Config] = {
         vocab_size=1000, action_dim=32, action_horizon=10, max_token_len=96,
     ),
     # The demo model, trained from scratch on 1 CPU thread (oxygen_ros/training/train.py; weights in
-    # oxygen_ros/model/assets/demo/): one 64x64 camera in 8x8 patches (64 image tokens), 3 layers, the
-    # arm's 3 joints as actions at 70 Hz, 20 per chunk. Vocabulary = the shipped tokenizer's.
+    # oxygen_ros/model/assets/demo/): trained on the base camera alone (the other slots stay absent),
+    # 64x64 in 16x16 patches (16 image tokens: with 64 the text ignored the image for 700+ steps),
+    # 3 layers, the arm's 3 joints as actions at 70 Hz, 20 per chunk. Vocabulary = the shipped tokenizer's.
     "demo": Pi05Config(
         vlm=GemmaConfig(width=128, depth=3, mlp_dim=512, num_heads=4, num_kv_heads=1, head_dim=32),
         expert=GemmaConfig(width=64, depth=3, mlp_dim=256, num_heads=4, num_kv_heads=1, head_dim=32),
-        vision=VisionConfig(width=128, depth=2, mlp_dim=256, num_heads=4, patch_size=8, image_size=64),
-        vocab_size=1000, action_dim=3, action_horizon=20, max_token_len=48, camera_slots=("base_0_rgb",),
+        vision=VisionConfig(width=128, depth=2, mlp_dim=256, num_heads=4, patch_size=16, image_size=64),
+        vocab_size=1000, action_dim=3, action_horizon=20, max_token_len=48,
     ),
 }
 

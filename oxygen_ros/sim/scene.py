@@ -34,7 +34,7 @@ COLOURS = {"red": (0.9, 0.1, 0.1), "green": (0.1, 0.75, 0.15), "blue": (0.1, 0.2
            "yellow": (0.95, 0.85, 0.1)}
 COLOUR_NAMES = tuple(COLOURS)
 MAX_CUBES = 3
-CUBE_HALF = 0.02
+CUBE_HALF = 0.025
 TOUCH_RADIUS = 0.04                 # tip within 4 cm of the cube's top centre = touched
 CONTROL_PERIOD_S = 1.0 / 70.0
 PHYSICS_STEPS_PER_CONTROL = 7       # timestep 1/490 s in the MJCF

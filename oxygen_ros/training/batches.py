@@ -13,7 +13,7 @@ from oxygen_ros.model.pi05 import PrefixRow
 from oxygen_ros.model.preprocess import to_pixels
 from oxygen_ros.model.tokenizer import Tokenizer
 from oxygen_ros.sim.questions import scene_questions
-from oxygen_ros.sim.scene import COLOUR_NAMES, Layout, task_prompt
+from oxygen_ros.sim.scene import COLOUR_NAMES, COLOURS, Layout, task_prompt
 
 from .attention import TrainPrefixAttention
 
@@ -52,6 +52,17 @@ class Batch:
     attention: TrainPrefixAttention
     answer_targets: torch.Tensor     # [n] token ids predicted at attention.last_token
     actions: torch.Tensor            # [B, H, action_dim] normalised deltas
+    patch_colours: torch.Tensor      # [B, patches] 0 = no cube, 1 + COLOUR_NAMES index
+
+
+def patch_colours(images: np.ndarray, patch: int, min_pixels: int = 3) -> np.ndarray:
+    """Which cube colour each image patch shows (0: none), read from the rendered pixels: the cubes are
+    the only saturated colours in the scene. [N, H, W, 3] uint8 -> [N, patches] (row-major, as SigLIP)."""
+    n, h, w, _ = images.shape
+    rgb = np.array([COLOURS[c] for c in COLOUR_NAMES]) * 255.0
+    close = np.abs(images[:, :, :, None, :].astype(np.float32) - rgb).max(-1) < 70      # [N, H, W, C]
+    counts = close.reshape(n, h // patch, patch, w // patch, patch, -1).sum(axis=(2, 4)).reshape(n, -1, len(rgb))
+    return np.where(counts.max(-1) >= min_pixels, counts.argmax(-1) + 1, 0)
 
 
 def make_batch(data: dict[str, np.ndarray], index: np.ndarray, tok: Tokenizer, norm: Normalizer,
@@ -80,5 +91,7 @@ def make_batch(data: dict[str, np.ndarray], index: np.ndarray, tok: Tokenizer, n
         prefix.append(n_prefix)
         offset += n
     actions = normalize_actions(norm, action_deltas({k: data[k][index] for k in ("chunk", "state")}))
+    patch = data["image"].shape[1] * image_size // data["image"].shape[1] // int(image_tokens ** 0.5)
     return Batch(rows, TrainPrefixAttention(lengths, bidir, prefix, torch.tensor(read)), torch.tensor(targets),
-                 torch.tensor(actions, dtype=torch.float32))
+                 torch.tensor(actions, dtype=torch.float32),
+                 torch.tensor(patch_colours(data["image"][index], patch)))
