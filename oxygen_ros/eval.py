@@ -183,7 +183,9 @@ def evaluate(episodes: int, seed: int = 0, steps: int = 210, replan: int = 10, p
         "answer_accuracy_by_kind": {k: float(np.mean([q.answer == r for q, r in answers if q.kind == k]))
                                     for k in kinds},
         "policies": {p: {"success_rate": rate(rs), "mean_steps_to_touch": mean_steps(rs),
-                         "touched_other_first": float(np.mean([r.touched_other for r in rs]))}
+                         "touched_other_first": float(np.mean([r.touched_other for r in rs])),
+                         "failures_final_distance_cm": sorted(round(r.final_distance * 100, 1)
+                                                              for r in rs if not r.success)}
                      for p, rs in results.items()},
         "max_action_difference_across_policies": max_chunk_diff,
         "expert_mean_steps_to_touch": mean_steps(expert),

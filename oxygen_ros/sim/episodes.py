@@ -32,6 +32,7 @@ class ReachEpisodes:
     def __init__(self, seed: int = 0, image_size: int = 64, episode_s: float = 4.0, pause_s: float = 0.7):
         self.scene = ReachScene(image_size)
         self.rng = np.random.default_rng(seed)
+        self._question_rng = np.random.default_rng([seed, 1])   # questions never shift the episodes
         self.episode_s, self.pause_s = episode_s, pause_s
         self.tally = EpisodeTally()
         self.command: np.ndarray | None = None
@@ -40,6 +41,7 @@ class ReachEpisodes:
         self._episode_start = 0.0
         self._pause_until: float | None = None
         self.episode_index = -1
+        self._questions_asked = 0
         self._new_episode()
 
     # ------------------------------------------------------------------ state
@@ -63,9 +65,9 @@ class ReachEpisodes:
 
     def next_question(self) -> Question:
         """A question about the scene as it is now, with its true answer (the kinds in turn)."""
-        questions = scene_questions(self.layout, self.scene.tip(), self.rng)
-        self._question_index = getattr(self, "_question_index", -1) + 1
-        return questions[self._question_index % len(questions)]
+        questions = scene_questions(self.layout, self.scene.tip(), self._question_rng)
+        self._questions_asked += 1
+        return questions[(self._questions_asked - 1) % len(questions)]
 
     # ------------------------------------------------------------------ inputs
     def set_command(self, positions) -> None:
