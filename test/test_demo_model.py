@@ -15,6 +15,10 @@ from oxygen_ros.training.attention import TrainActionAttention, TrainPrefixAtten
 from oxygen_ros.training.train import Trainer, init_weights
 
 CFG = preset("demo")
+# Measured with the shipped weights on these 12 episodes (seed 7000): success 0.50, answers 0.94 (the
+# 50-episode evaluation of the README, seed 1000: 0.72 and 0.89). One episode of margin.
+SUCCESS_THRESHOLD = 0.4
+ANSWER_THRESHOLD = 0.85
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +109,7 @@ def test_the_shipped_weights_touch_the_named_cube_and_answer_about_the_scene():
     from oxygen_ros.eval import evaluate
 
     torch.set_num_threads(1)
-    out = evaluate(episodes=4, seed=7000, log=lambda *_: None)
+    out = evaluate(episodes=12, seed=7000, log=lambda *_: None)
     assert out["expert_success_rate"] == 1.0
     assert out["success_rate"] >= SUCCESS_THRESHOLD, out
     assert out["answer_accuracy"] >= ANSWER_THRESHOLD, out
