@@ -29,7 +29,10 @@ UPPER = np.array([1.6, 1.7, 2.6])
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     overrides = tmp_path_factory.mktemp("params") / "test.yaml"
-    overrides.write_text("oxygen_engine:\n  ros__parameters:\n    memory_period_s: 1.5\n")
+    # The trained demo model ends its replies with EOS within ~12 tokens: one token per frame leaves the
+    # streaming test time to cancel a reply before it ends.
+    overrides.write_text("oxygen_engine:\n  ros__parameters:\n    memory_period_s: 1.5\n"
+                         "    decode_budget: fixed\n    tokens_per_frame: 1\n")
     domain = private_domain(11)
     bringup = Bringup(["--demo", "--params-file", str(overrides), "--status-period", "2"], domain)
     client = RosClient(domain)
