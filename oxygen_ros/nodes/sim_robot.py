@@ -123,8 +123,8 @@ class SimRobotNode(Node):
                 JointState, command_topic, self._on_joint_state_command, command_qos)
         self._camera_timer = self.create_timer(1.0 / camera_rate, self._publish_images)
         self._state_timer = self.create_timer(1.0 / state_rate, self._publish_state)
-        # The task is an event; repeated each second so a subscriber that joins late still gets it.
-        self._prompt_timer = self.create_timer(1.0, self._publish_prompt)
+        # The task is an event; repeated every 5 s so a subscriber that joins late still gets it.
+        self._prompt_timer = self.create_timer(5.0, self._publish_prompt)
         self.get_logger().info(
             f"sim robot: cameras {cameras} at {camera_rate:g} Hz ({self.image_size} px), joint states at "
             f"{state_rate:g} Hz on {state_topic}, commands ({self.command_type}) on {command_topic}, "

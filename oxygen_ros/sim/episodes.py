@@ -60,7 +60,8 @@ class ReachEpisodes:
         return self.scene.render(camera, size)
 
     def status(self) -> str:
-        return f"task '{self.prompt}' | episodes {self.tally.line()}" + (
+        return (f"task '{self.prompt}' (tip {self.scene.distance_to(self.target) * 100:.0f} cm away) | "
+                f"episodes {self.tally.line()}") + (
             f", last: {self.last_outcome}" if self.last_outcome else "")
 
     def next_question(self) -> Question:
