@@ -232,7 +232,9 @@ def test_node_publishes_tasks_images_states_and_follows_commands(ros_context):
     from oxygen_ros.robot.images import image_from_msg
 
     context, executor, nodes, thread = ros_context
-    node = SimRobotNode(context=context, parameter_overrides=[Parameter("camera_rate_hz", value=20.0)])
+    # A long episode: the first one must still be running when its start pose is checked.
+    node = SimRobotNode(context=context, parameter_overrides=[Parameter("camera_rate_hz", value=20.0),
+                                                              Parameter("episode_s", value=120.0)])
     probe_node = __import__("rclpy").create_node("sim_robot_test_probe", context=context)
     nodes += [node, probe_node]
     probe = _Probe()
