@@ -10,6 +10,7 @@ publisher's tick), each held for 7 physics steps; the position servos follow wit
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from importlib import resources
 
@@ -105,6 +106,8 @@ class ReachScene:
         self.data = mujoco.MjData(self.model)
         self.image_size = image_size
         self._renderers: dict[int, mujoco.Renderer] = {}
+        # A render leaves its GL context current until it returns: close() waits for it (another thread).
+        self._render_lock = threading.Lock()
         self._tip = self.model.site("tip").id
         self._qpos = [self.model.joint(n).qposadr[0] for n in JOINT_NAMES]
         self._mocap = [self.model.body(f"cube_{i}").mocapid[0] for i in range(MAX_CUBES)]
@@ -157,15 +160,17 @@ class ReachScene:
     def render(self, camera: str = "base", size: int | None = None) -> np.ndarray:
         """RGB uint8 [size, size, 3] from a named camera ("base" or "wrist")."""
         size = size or self.image_size
-        if size not in self._renderers:
-            self._renderers[size] = mujoco.Renderer(self.model, size, size)
-        r = self._renderers[size]
-        r.update_scene(self.data, camera)
-        image = r.render().copy()
-        _release_gl_context()
+        with self._render_lock:
+            if size not in self._renderers:
+                self._renderers[size] = mujoco.Renderer(self.model, size, size)
+            r = self._renderers[size]
+            r.update_scene(self.data, camera)
+            image = r.render().copy()
+            _release_gl_context()
         return image
 
     def close(self) -> None:
-        for r in self._renderers.values():
-            r.close()
-        self._renderers.clear()
+        with self._render_lock:
+            for r in self._renderers.values():
+                r.close()
+            self._renderers.clear()
