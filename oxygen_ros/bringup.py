@@ -2,7 +2,7 @@
 recorder, view, console; plus the simulated robot with --demo). Works with the ROS 2 wheels from PyPI (no ros2 CLI, no launch) and on a robot's ROS 2 install.
 
     oxygen_bringup --robot libero --params-file my_overrides.yaml
-    oxygen_bringup --demo                       # tiny model + simulated robot, closes the loop
+    oxygen_bringup --demo                       # trained demo model + MuJoCo robot, closes the loop
     oxygen_bringup --demo --console 8080 --record /tmp/bag     # + operator console, + MCAP recording
 
 Threads: the engine thread owns the device; the action publisher (70 Hz timer), the inputs and the
@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 ROBOTS = ("libero", "droid", "aloha", "demo")
 
@@ -33,7 +34,7 @@ def parse_args(argv):
     parser.add_argument("--params-file", action="append", default=[],
                         help="ROS parameters YAML (repeatable; later files override earlier ones)")
     parser.add_argument("--demo", action="store_true",
-                        help="tiny model + simulated robot and cameras + a demo conversation client")
+                        help="the trained demo model + the MuJoCo robot and cameras + a demo conversation client")
     parser.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: run)")
     parser.add_argument("--status-period", type=float, default=2.0, help="seconds between status lines")
     parser.add_argument("--record", metavar="DIR", help="record the run as ROS 2 MCAP into DIR "
@@ -48,6 +49,22 @@ def parse_args(argv):
     if args.demo and args.robot is None:
         args.robot = "demo"
     return args, ros_args
+
+
+def demo_weights_params() -> Path:
+    """A parameters file pointing the engine at the shipped demo weights (their path depends on where the
+    package is installed, so config/demo.yaml cannot name it)."""
+    import hashlib
+    import tempfile
+
+    from .eval import demo_checkpoint
+
+    weights = demo_checkpoint()
+    digest = hashlib.sha1(str(weights).encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"oxygen_demo_weights_{digest}.yaml"
+    path.write_text(f"oxygen_engine:\n  ros__parameters:\n    checkpoint: '{weights}'\n"
+                    f"    norm_stats: '{weights / 'norm_stats.json'}'\n")
+    return path
 
 
 def status_line(engine, action) -> str:
@@ -205,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.robot:
         print(f"oxygen_bringup: robot config {files[0]}", flush=True)
+    if args.robot == "demo":
+        files.insert(1, str(demo_weights_params()))
     rcl_args = ["oxygen_bringup", "--ros-args"] + [a for f in files for a in ("--params-file", f)]
     rcl_args += [a for a in ros_args if a != "--ros-args"]
     sys.setswitchinterval(0.001)
@@ -228,7 +247,13 @@ def main(argv: list[str] | None = None) -> int:
             from .nodes.demo_client import DemoClient
             from .nodes.sim_robot import SimRobotNode
 
-            for node in (SimRobotNode(), DemoClient()):
+            sim = SimRobotNode()
+
+            def question():
+                q = sim.world.next_question()
+                return q.text, q.answer
+
+            for node in (sim, DemoClient(questions=question)):
                 nodes.append(node)
                 executors.other.add_node(node)
         stop = threading.Event()
@@ -247,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.status_period and now >= next_status:
                 attached = engine_node.attached
                 if attached is not None and engine_node.state_label == "active":
-                    print(status_line(engine_node.engine, attached.action), flush=True)
+                    print(status_line(engine_node.engine, attached.action)
+                          + (f" | {sim.status()}" if args.demo else ""), flush=True)
                 else:
                     print(f"[status] oxygen_engine {engine_node.state_label}", flush=True)
                 next_status += args.status_period

@@ -58,9 +58,9 @@ oxygen_action:
     for expected in ("camera slot right_wrist_0_rgb is required but has no topic",
                      "no camera topic configured (cameras.<slot>.topic)",
                      "oxygen_action.output_type = 'teleport': must be one of",
-                     "joint_names has 2 names, the actions have 7 dimensions",
+                     "joint_names has 2 names, the actions have 3 dimensions",
                      "action_rate_hz 50.0 differs from the engine's 70.0",
-                     "interpolate has 1 entries, the actions have 7 dimensions"):
+                     "interpolate has 1 entries, the actions have 3 dimensions"):
         assert any(expected in line for line in lines), r.stderr
     assert "Traceback" not in r.stderr
 

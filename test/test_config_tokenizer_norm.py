@@ -60,9 +60,9 @@ def test_num_parameters_of_an_odd_config():
 
 
 def test_presets():
-    assert set(PRESETS) == {"pi05", "bench", "tiny"}
+    assert set(PRESETS) == {"pi05", "bench", "tiny", "demo"}
     assert preset("pi05").prefix_language_attention == "bidirectional"   # the upstream default
-    assert preset("tiny").vocab_size == Tokenizer.tiny().vocab_size
+    assert preset("tiny").vocab_size == preset("demo").vocab_size == Tokenizer.tiny().vocab_size
     with pytest.raises(ValueError, match="unknown model preset 'pi0'"):
         preset("pi0")
 

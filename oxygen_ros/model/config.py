@@ -1,8 +1,9 @@
 """Sizes and constants of a π0.5 model: presets, and configs read from files.
 
 Three sources of a config, one dataclass:
-- presets: `pi05` (the paper's sizes), `bench` (a ~210 M-parameter model for CPU benchmarks) and `tiny`
-  (a few million parameters: the demo and the tests);
+- presets: `pi05` (the paper's sizes), `bench` (a ~210 M-parameter model for CPU benchmarks), `tiny`
+  (a few million parameters: the tests) and `demo` (the model trained for the MuJoCo demo,
+  oxygen_ros/training/);
 - an oracle case's config.json (../shared/oracle/*/config.json), see `from_oracle_json`;
 - a YAML/JSON file with the same field names as `Pi05Config` (nested `vlm`, `expert`, `vision`).
 """
@@ -165,6 +166,16 @@ PRESETS: dict[str, Pi05Config] = {
         expert=GemmaConfig(width=128, depth=2, mlp_dim=512, num_heads=4, num_kv_heads=1, head_dim=64),
         vision=VisionConfig(width=128, depth=2, mlp_dim=512, num_heads=4),
         vocab_size=1000, action_dim=32, action_horizon=10, max_token_len=96,
+    ),
+    # The demo model, trained from scratch on 1 CPU thread (oxygen_ros/training/train.py; weights in
+    # oxygen_ros/model/assets/demo/): trained on the base camera alone (the other slots stay absent),
+    # 64x64 in 16x16 patches (16 image tokens: with 64 the text ignored the image for 700+ steps),
+    # 3 layers, the arm's 3 joints as actions at 70 Hz, 20 per chunk. Vocabulary = the shipped tokenizer's.
+    "demo": Pi05Config(
+        vlm=GemmaConfig(width=128, depth=3, mlp_dim=512, num_heads=4, num_kv_heads=1, head_dim=32),
+        expert=GemmaConfig(width=64, depth=3, mlp_dim=256, num_heads=4, num_kv_heads=1, head_dim=32),
+        vision=VisionConfig(width=128, depth=2, mlp_dim=256, num_heads=4, patch_size=16, image_size=64),
+        vocab_size=1000, action_dim=3, action_horizon=20, max_token_len=48,
     ),
 }
 

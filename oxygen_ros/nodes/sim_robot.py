@@ -1,16 +1,19 @@
-"""The demo's simulated robot: publishes camera images and joint states of a `SimArm` and follows the
-joint position commands it receives, closing the loop with the policy nodes without hardware.
+"""The demo's simulated robot: the MuJoCo reach scene (oxygen_ros/sim/) behind the topics a real robot
+has. It publishes camera images and joint states, follows the joint position commands it receives, and
+runs episodes of the reach task: each new episode's task ("touch the red cube") goes out on the prompt
+topic, and success is judged from the simulator's state.
 
 Topics (names are parameters):
   publishes  /sim/camera/base/image_raw, /sim/camera/wrist/image_raw  sensor_msgs/Image (rgb8), camera_rate_hz
              /sim/joint_states                                       sensor_msgs/JointState, state_rate_hz
-  subscribes /oxygen/action   std_msgs/Float64MultiArray (7 target positions, command_type "float64_array")
+             /oxygen/prompt                                          std_msgs/String, each new task
+  subscribes /oxygen/action   std_msgs/Float64MultiArray (3 target positions, command_type "float64_array")
                               or sensor_msgs/JointState (targets by joint name, command_type "joint_state")
 
 Images and states use the sensor-data QoS (best effort, keep last 5); commands a reliable keep-last-10
-subscription. All callbacks are in the node's default (mutually exclusive) callback group, so the arm is
-never touched by two callbacks at once, whatever the executor. The arm's motion is integrated in wall
-time (monotonic clock) whenever a command arrives or a state or image is published.
+subscription, the prompt a reliable publisher. All callbacks are in the node's default (mutually
+exclusive) callback group, so the scene is never touched by two callbacks at once. The simulation is
+advanced in wall time (monotonic clock) whenever a callback runs (ReachEpisodes.advance).
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ from rcl_interfaces.msg import ParameterDescriptor
 from rclpy.node import Node
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import Image, JointState
-from std_msgs.msg import Float64MultiArray
+from std_msgs.msg import Float64MultiArray, String
 
 from ..robot.errors import InputError
-from ..robot.sim_arm import CAMERAS, SimArm
+from ..sim.episodes import ReachEpisodes
+from ..sim.scene import JOINT_NAMES
 
+CAMERAS = ("base", "wrist")
 COMMAND_TYPES = ("float64_array", "joint_state")
 _WARN_THROTTLE_S = 2.0
 
@@ -53,11 +58,11 @@ def rgb_to_image_msg(rgb: np.ndarray, stamp, frame_id: str) -> Image:
 
 
 class SimRobotNode(Node):
-    """ROS 2 wrapper of SimArm. `arm` is the simulated arm; `command_count` counts accepted commands,
-    `rejected_count` ignored ones; `last_command_time` is the node-clock time (seconds) of the last
-    accepted command, None before the first."""
+    """ROS 2 wrapper of ReachEpisodes. `world` is the simulation; `command_count` counts accepted
+    commands, `rejected_count` ignored ones; `last_command_time` is the node-clock time (seconds) of the
+    last accepted command, None before the first."""
 
-    def __init__(self, arm: SimArm | None = None, **node_kwargs):
+    def __init__(self, world: ReachEpisodes | None = None, **node_kwargs):
         super().__init__("oxygen_sim_robot", **node_kwargs)
 
         def declare(name, default, description):
@@ -65,48 +70,50 @@ class SimRobotNode(Node):
 
         camera_rate = float(declare("camera_rate_hz", 15.0, "Rate of the camera images, Hz."))
         state_rate = float(declare("state_rate_hz", 50.0, "Rate of the joint states, Hz."))
-        self.image_size = int(declare("image_size", 224, "Side of the square camera images, pixels."))
-        cameras = list(declare("cameras", ["base", "wrist"], "Cameras to publish: any of 'base', 'wrist'."))
+        self.image_size = int(declare("image_size", 64, "Side of the square camera images, pixels (the demo "
+                                                        "model was trained on 64x64 renders)."))
+        cameras = list(declare("cameras", list(CAMERAS), "Cameras to publish: any of 'base', 'wrist'."))
         topics = {
             "base": declare("base_topic", "/sim/camera/base/image_raw", "Topic of the base (third-person) camera."),
             "wrist": declare("wrist_topic", "/sim/camera/wrist/image_raw", "Topic of the wrist camera."),
         }
         state_topic = declare("joint_states_topic", "/sim/joint_states", "Topic of the joint states.")
         command_topic = declare("command_topic", "/oxygen/action", "Topic of the joint position commands.")
+        prompt_topic = declare("prompt_topic", "/oxygen/prompt", "Topic the task of each episode goes to.")
         self.command_type = declare(
             "command_type", "float64_array",
-            "'float64_array': std_msgs/Float64MultiArray with the 7 target positions (joint_1..joint_6, "
-            "gripper); 'joint_state': sensor_msgs/JointState with target positions by joint name.")
-        seed = int(declare("seed", 0, "Seed of the scene (object positions)."))
-        max_speed = float(declare("max_joint_speed", 2.0, "Max joint speed, rad/s (gripper: opening per s)."))
+            "'float64_array': std_msgs/Float64MultiArray with the 3 target positions (joint_1..joint_3); "
+            "'joint_state': sensor_msgs/JointState with target positions by joint name.")
+        seed = int(declare("seed", 0, "Seed of the episodes (cube colours, places, named cube)."))
+        episode_s = float(declare("episode_s", 4.0, "Time limit of an episode, s."))
 
-        problem = None
-        for name, rate in (("camera_rate_hz", camera_rate), ("state_rate_hz", state_rate)):
-            if not rate > 0.0:
-                problem = f"{name} must be positive, got {rate}"
-        if not 8 <= self.image_size <= 4096:
-            problem = f"image_size {self.image_size} is out of range (8..4096)"
+        problems = []
+        for name, value in (("camera_rate_hz", camera_rate), ("state_rate_hz", state_rate),
+                            ("episode_s", episode_s)):
+            if not value > 0.0:
+                problems.append(f"{name} must be positive, got {value}")
+        if not 8 <= self.image_size <= 1024:
+            problems.append(f"image_size {self.image_size} is out of range (8..1024)")
         if any(c not in CAMERAS for c in cameras) or len(set(cameras)) != len(cameras):
-            problem = f"cameras {cameras}: each must be one of {list(CAMERAS)}, listed once"
+            problems.append(f"cameras {cameras}: each must be one of {list(CAMERAS)}, listed once")
         if self.command_type not in COMMAND_TYPES:
-            problem = f"command_type {self.command_type!r} must be one of {list(COMMAND_TYPES)}"
-        if problem is None and not max_speed > 0.0:
-            problem = f"max_joint_speed must be positive, got {max_speed}"
-        if problem is not None:
-            self.get_logger().error(problem)
+            problems.append(f"command_type {self.command_type!r} must be one of {list(COMMAND_TYPES)}")
+        if problems:
+            for problem in problems:
+                self.get_logger().error(problem)
             self.destroy_node()  # no half-made node left in the context
-            raise ValueError(problem)
+            raise ValueError("; ".join(problems))
 
-        self.arm = arm if arm is not None else SimArm(seed=seed, max_speed=max_speed)
+        self.world = world if world is not None else ReachEpisodes(seed, self.image_size, episode_s)
         self.command_count = 0
         self.rejected_count = 0
         self.last_command_time: float | None = None
         self.images_published = 0
         self.states_published = 0
-        self._last_advance = time.monotonic()
 
         self._image_pubs = {c: self.create_publisher(Image, topics[c], qos_profile_sensor_data) for c in cameras}
         self._state_pub = self.create_publisher(JointState, state_topic, qos_profile_sensor_data)
+        self._prompt_pub = self.create_publisher(String, prompt_topic, 10)
         command_qos = QoSProfile(depth=10, history=HistoryPolicy.KEEP_LAST, reliability=ReliabilityPolicy.RELIABLE)
         if self.command_type == "float64_array":
             self._command_sub = self.create_subscription(
@@ -116,27 +123,32 @@ class SimRobotNode(Node):
                 JointState, command_topic, self._on_joint_state_command, command_qos)
         self._camera_timer = self.create_timer(1.0 / camera_rate, self._publish_images)
         self._state_timer = self.create_timer(1.0 / state_rate, self._publish_state)
+        # The task is an event; repeated every 5 s so a subscriber that joins late still gets it.
+        self._prompt_timer = self.create_timer(5.0, self._publish_prompt)
         self.get_logger().info(
             f"sim robot: cameras {cameras} at {camera_rate:g} Hz ({self.image_size} px), joint states at "
-            f"{state_rate:g} Hz on {state_topic}, commands ({self.command_type}) on {command_topic}")
+            f"{state_rate:g} Hz on {state_topic}, commands ({self.command_type}) on {command_topic}, "
+            f"tasks on {prompt_topic}")
+
+    def status(self) -> str:
+        return self.world.status()
 
     # ------------------------------------------------------------------ callbacks (thin)
 
     def _advance(self) -> None:
-        now = time.monotonic()
-        self.arm.step(now - self._last_advance)
-        self._last_advance = now
+        if self.world.advance(time.monotonic()):
+            self._publish_prompt()
 
     def _on_array_command(self, msg: Float64MultiArray) -> None:
-        self._accept(lambda: self.arm.set_target(msg.data))
+        self._accept(lambda: self.world.set_command(msg.data))
 
     def _on_joint_state_command(self, msg: JointState) -> None:
-        self._accept(lambda: self.arm.set_target_by_name(msg.name, msg.position))
+        self._accept(lambda: self.world.set_command_by_name(msg.name, msg.position))
 
-    def _accept(self, set_target) -> None:
-        self._advance()  # the previous target applies up to now
+    def _accept(self, set_command) -> None:
+        self._advance()  # the previous command applies up to now
         try:
-            set_target()
+            set_command()
         except InputError as e:
             self.rejected_count += 1
             self.get_logger().warning(f"ignored command ({self.rejected_count} so far): {e}",
@@ -145,13 +157,15 @@ class SimRobotNode(Node):
         self.command_count += 1
         self.last_command_time = self.get_clock().now().nanoseconds * 1e-9
 
+    def _publish_prompt(self) -> None:
+        self._prompt_pub.publish(String(data=self.world.prompt))
+
     def _publish_state(self) -> None:
         self._advance()
         msg = JointState()
         msg.header.stamp = self.get_clock().now().to_msg()
-        msg.name = list(self.arm.joint_names)
-        msg.position = self.arm.positions.tolist()
-        msg.velocity = self.arm.velocities.tolist()
+        msg.name = list(JOINT_NAMES)
+        msg.position = self.world.joints().tolist()
         self._state_pub.publish(msg)
         self.states_published += 1
 
@@ -159,8 +173,13 @@ class SimRobotNode(Node):
         self._advance()
         stamp = self.get_clock().now().to_msg()
         for camera, pub in self._image_pubs.items():
-            pub.publish(rgb_to_image_msg(self.arm.render(camera, self.image_size), stamp, camera))
+            pub.publish(rgb_to_image_msg(self.world.render(camera), stamp, camera))
         self.images_published += 1
+
+    def destroy_node(self):
+        if hasattr(self, "world"):
+            self.world.close()
+        return super().destroy_node()
 
 
 def main(args=None) -> None:
