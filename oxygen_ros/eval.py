@@ -25,6 +25,7 @@ import torch
 from oxygen_ros.engine.engine import POLICIES, EngineConfig
 from oxygen_ros.engine.factory import build_engine, build_model, model_config
 from oxygen_ros.engine.requests import TextRequest
+from oxygen_ros.robot.policy_io import RobotIOConfig
 from oxygen_ros.robot.sync import Observation
 from oxygen_ros.sim.expert import expert_chunk, inverse_kinematics
 from oxygen_ros.sim.questions import scene_questions
@@ -44,8 +45,8 @@ class EnginePolicy:
 
     def __init__(self, policy: str, model, checkpoint: Path):
         self.engine = build_engine(built_model=model, norm_stats=str(checkpoint / "norm_stats.json"),
-                                   robot_action_dim=model.cfg.action_dim,
-                                   delta_action_mask=[True] * model.cfg.action_dim,
+                                   robot_io=RobotIOConfig(robot_action_dim=model.cfg.action_dim,
+                                                          delta_action_mask=(True,) * model.cfg.action_dim),
                                    engine=EngineConfig(policy=policy), kv_budget_mb=8.0)
 
     def act(self, image: np.ndarray, state: np.ndarray, prompt: str, noise: np.ndarray, stamp: float) -> np.ndarray:

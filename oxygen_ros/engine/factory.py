@@ -53,6 +53,9 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
                  built_model: Pi05 | None = None, **config_overrides) -> Engine:
     from oxygen_ros.model.attention import default_backend
 
+    if built_model is not None and config_overrides:
+        # They would be ignored: the built model has its config (a misspelt keyword must not vanish either).
+        raise TypeError(f"build_engine: model config overrides {sorted(config_overrides)} with a built model")
     cfg = built_model.cfg if built_model is not None else model_config(model, **config_overrides)
     if tokenizer is None and checkpoint and cfg.vocab_size > 50_000:
         # Real weights need their own tokenizer; random weights (benchmarks) run with the shipped small one.
