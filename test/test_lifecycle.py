@@ -92,7 +92,7 @@ def test_transitions_through_the_lifecycle_services(managed, tmp_path):
     set_checkpoint(client, "")
     assert transition(client, Transition.TRANSITION_CONFIGURE)
     assert state(client) == State.PRIMARY_STATE_INACTIVE
-    assert bringup.wait_for_line("loading model tiny from random weights (no checkpoint) on cpu: done in", 5)
+    assert bringup.wait_for_line("loading model demo from random weights (no checkpoint) on cpu: done in", 5)
     time.sleep(1.5)
     assert not actions, "actions published while inactive"
     r = ask(client)
@@ -107,7 +107,7 @@ def test_transitions_through_the_lifecycle_services(managed, tmp_path):
     # The debug picture: the camera frame (224 px scaled to 448) over a 7-lane joint strip, then the reply.
     assert wait_until(lambda: len(pictures) >= 2, 10), "no debug image"
     picture = pictures[-1][1]
-    assert picture.encoding == "rgb8" and picture.width == 448 and picture.height > 448 + 7 * 18
+    assert picture.encoding == "rgb8" and picture.width == 448 and picture.height > 448 + 3 * 18   # 3 joint lanes
 
     # Deactivate: actions stop at once (a command already in flight may land within 0.3 s on a loaded
     # machine), the model stays loaded.

@@ -24,9 +24,9 @@ from ros_harness import Bringup, RosClient, private_domain
 RECORDED = ["/diagnostics", "/oxygen/action", "/oxygen/action_chunk", "/oxygen/converse/_service_event",
             "/oxygen/converse_stream/_action/feedback", "/oxygen/converse_stream/_action/get_result/_service_event",
             "/oxygen/converse_stream/_action/send_goal/_service_event", "/oxygen/converse_stream/_action/status",
-            "/oxygen/memory", "/oxygen/observation/base_0_rgb/compressed",
-            "/oxygen/observation/left_wrist_0_rgb/compressed", "/oxygen/observation/prompt",
-            "/oxygen/observation/state"]
+            "/oxygen/memory", "/oxygen/observation/base_0_rgb/compressed",   # the demo robot's one camera
+            "/oxygen/observation/prompt", "/oxygen/observation/state",
+            "/oxygen/prompt"]                                                 # the sim announces each task
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_every_stream_is_recorded_and_decodes_as_ros2(recording):
             reader = make_reader(f)
             assert reader.get_header().profile == "ros2"
             meta = {m.name: m.metadata for m in reader.iter_metadata()}
-            assert json.loads(meta[METADATA]["engine_params"])["model"] == "tiny"   # every file stands alone
+            assert json.loads(meta[METADATA]["engine_params"])["model"] == "demo"   # every file stands alone
             topics = set()
             for schema, channel, message in reader.iter_messages():
                 assert schema.encoding == "ros2msg" and channel.message_encoding == "cdr"
