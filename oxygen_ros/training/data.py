@@ -21,6 +21,11 @@ SHARD_SIZE = 500
 SAMPLES_PER_EPISODE = 6
 EPISODE_STEPS = 120            # expert reaches in ~40-90 steps at 70 Hz, then holds
 COMMAND_NOISE = 0.03           # rad, std of the noise added to the executed command
+# Shards 0-31 (the first training run) executed only each chunk's first row, re-planning every tick: with
+# the arm's soft servos that crawls, and states near the cubes were rare. Later shards execute REPLAN rows
+# per chunk, as the evaluation does.
+REPLAN = 10
+REPLAN_FROM_SHARD = 32
 
 
 def generate_shard(seed: int, shard: int, image_size: int, horizon: int,
@@ -41,6 +46,13 @@ def generate_shard(seed: int, shard: int, image_size: int, horizon: int,
         for step in range(EPISODE_STEPS):
             q = scene.joints()
             chunk = expert_chunk(q, goal, horizon)
+            if shard >= REPLAN_FROM_SHARD:
+                # Executed as evaluated and served: a chunk's rows in turn, a new chunk every REPLAN ticks.
+                if step % REPLAN == 0:
+                    executed = chunk
+                command = executed[step % REPLAN]
+            else:
+                command = chunk[0]
             if step in picks and len(out["image"]) < size:
                 out["image"].append(scene.render("base"))
                 out["state"].append(q)
@@ -49,7 +61,7 @@ def generate_shard(seed: int, shard: int, image_size: int, horizon: int,
                 out["colours"].append(colours)
                 out["positions"].append(positions)
                 out["tip"].append(scene.tip())
-            scene.step(chunk[0] + rng.normal(0.0, COMMAND_NOISE, size=3))
+            scene.step(command + rng.normal(0.0, COMMAND_NOISE, size=3))
     scene.close()
     return {k: np.stack(v).astype(np.uint8 if k == "image" else np.float32 if k != "target" and k != "colours"
                                   else np.int64) for k, v in out.items()}
