@@ -148,8 +148,7 @@ class RobotNodes:
         if not problems:
             self.recorder = build(lambda: Recorder(
                 engine, {"engine_params": engine_params, "conversation_params": self.conversation.p,
-                         "camera_slots": self.observation.slots,
-                         "model_images": True},
+                         "camera_slots": self.observation.slots},
                 raw_topics(self.action, self.conversation, self.observation), self.action.names,
                 parameter_overrides=[Parameter("path", value=record)] if record else []))
             self.view = build(lambda: ViewNode(engine, self.observation, self.action, self.conversation))

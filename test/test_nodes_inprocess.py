@@ -250,40 +250,9 @@ def test_a_compressed_camera_feeds_the_engine(observation):
     node._on_image("base_0_rgb", _stamped(CompressedImage(format="png", data=png.tobytes()), t))
     node._on_state(_stamped(JointState(name=NAMES, position=[0.1] * 7), t))
     (obs,) = node.engine.observations
-    # Converted on the inputs thread: the engine gets the model's image, never the camera's resolution.
-    size = node.engine.preparer.cfg.vision.image_size
-    assert obs.model_images and obs.images["base_0_rgb"].shape == (size, size, 3)
-    np.testing.assert_array_equal(obs.images["base_0_rgb"], node.engine.model_image("base_0_rgb", rgb))
+    np.testing.assert_array_equal(obs.images["base_0_rgb"], rgb)
     assert obs.image_masks == {"base_0_rgb": True, "left_wrist_0_rgb": False, "right_wrist_0_rgb": False}
     assert obs.prompt == "stack the cups" and obs.state.tolist() == [0.1] * 7 and node.bad_inputs == 0
-
-
-@pytest.mark.parametrize("rotate", [(), ("base_0_rgb",)])
-def test_images_converted_on_the_input_thread_give_the_same_chunk(small_model, obs, rotate):
-    """An observation whose images went through Engine.model_image (the observation node, inputs thread)
-    gives bitwise the chunk the engine computes from the raw images itself, with a camera rotation too."""
-    import dataclasses
-
-    from oxygen_ros.engine.engine import EngineConfig
-    from oxygen_ros.engine.factory import build_engine
-    from oxygen_ros.robot.policy_io import RobotIOConfig
-
-    engines = [build_engine(built_model=small_model, engine=EngineConfig(), kv_budget_mb=4.0,
-                            robot_io=RobotIOConfig(robot_action_dim=7, rotate_180=rotate)) for _ in range(2)]
-    rng = np.random.default_rng(3)
-    base = obs(0)
-    raw = dataclasses.replace(base, images={s: None if img is None else rng.integers(0, 256, (90, 160, 3), np.uint8)
-                                            for s, img in base.images.items()})
-    converted = dataclasses.replace(raw, model_images=True, images={
-        s: None if img is None else engines[1].model_image(s, img) for s, img in raw.images.items()})
-    noise = rng.standard_normal((small_model.cfg.action_horizon, small_model.cfg.action_dim)).astype(np.float32)
-    chunks = []
-    for engine, observation_ in zip(engines, (raw, converted)):
-        engine.run_cycle(observation_, noise)
-        chunks.append(engine.latest_chunk().plan.actions)
-    np.testing.assert_array_equal(chunks[0], chunks[1])
-    with pytest.raises(Exception, match="converted image must be"):
-        engines[1].preparer.prepare(dataclasses.replace(raw, model_images=True))
 
 
 def test_an_oversized_compressed_image_is_refused_and_counted(observation):

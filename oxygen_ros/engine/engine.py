@@ -220,12 +220,6 @@ class Engine:
         with self._lock:
             self._frame_listeners.append(fn)
 
-    def model_image(self, slot: str, image: np.ndarray) -> np.ndarray:
-        """A camera image as the model takes it (the robot's rotation, openpi's resize_with_pad), for the
-        input thread: an Observation whose images went through this sets model_images=True, and the
-        engine thread then never resizes a full-resolution image. Thread-safe (no state); InputError."""
-        return self.preparer.io.image(slot, image)
-
     def frame_noise(self, index: int) -> torch.Tensor:
         """The flow-matching noise of frame `index`: a function of (seed, index) only, so that a recording
         replays bit for bit from any frame on, whatever frames were dropped before it."""

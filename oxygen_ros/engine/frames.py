@@ -59,7 +59,7 @@ class FramePreparer:
         except (TypeError, ValueError) as e:
             raise InputError(f"state must be a finite vector: {e}") from None
         inputs = self.io.model_inputs({s: obs.images.get(s) for s in slots if obs.image_masks.get(s, False)},
-                                      state, getattr(obs, "model_images", False))  # policy input transform
+                                      state)                                      # policy input transform
         images = [to_pixels(inputs.images[s], self.cfg.vision.image_size) for s in slots if s in inputs.images]
         if not images:
             raise InputError("observation has no valid camera image")

@@ -6,8 +6,6 @@ counted for /diagnostics, and never stops the node.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from diagnostic_msgs.msg import DiagnosticStatus
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.node import Node
@@ -116,9 +114,7 @@ class ObservationNode(Node):
             rgb = image_from_msg(msg, name=slot)   # a malformed message is reported as such, whatever its stamp
             stamp = _stamp_s(msg.header)
             self.stamps.check(f"image {slot!r}", stamp, self._now())
-            # Converted here, on the inputs thread: the engine thread gets model-sized images (a 1080p
-            # resize there took 80 ms of the frame, 4K 450 ms) and the buffers hold small ones.
-            self.assembler.add_image(slot, stamp, self.engine.model_image(slot, rgb))
+            self.assembler.add_image(slot, stamp, rgb)
         except Exception as e:  # noqa: BLE001
             self._bad(e)
             return
@@ -152,7 +148,7 @@ class ObservationNode(Node):
         try:
             obs = self.assembler.poll(self._now())
             if obs is not None:
-                self.engine.submit_observation(dataclasses.replace(obs, model_images=True))
+                self.engine.submit_observation(obs)
                 self.observations += 1
                 self.watch.seen(self._now())
         except Exception as e:  # noqa: BLE001

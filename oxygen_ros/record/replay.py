@@ -216,7 +216,7 @@ def replay(recording: Recording, engine=None, say=print) -> dict:
             images = {s: decode_compressed(m.format, m.data, name=s) if (m := frame.images.get(s)) else None
                       for s in slots}
             obs = Observation(frame.stamp_ns * 1e-9, images, {s: images[s] is not None for s in slots},
-                              frame.state, frame.prompt, model_images=bool(meta.get("model_images", False)))
+                              frame.state, frame.prompt)
             before = engine.latest_chunk()
             engine.run_cycle(obs, noise=engine.frame_noise(frame.index))
             chunk = engine.latest_chunk()

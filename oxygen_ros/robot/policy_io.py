@@ -114,13 +114,6 @@ class PolicyIO:
         except ValueError as e:
             raise InputError(f"camera '{slot}': {e}") from None
 
-    def _converted(self, slot: str, image: np.ndarray) -> np.ndarray:
-        img = np.asarray(image)
-        if img.dtype != np.uint8 or img.shape != (self.image_size, self.image_size, 3):
-            raise InputError(f"camera '{slot}': a converted image must be uint8 [{self.image_size}, "
-                             f"{self.image_size}, 3], got {img.dtype} {list(img.shape)}")
-        return img
-
     def model_state(self, state: np.ndarray) -> np.ndarray:
         """Robot state -> the model's state units (before normalisation)."""
         s = np.array(state, dtype=np.float64)
@@ -139,11 +132,8 @@ class PolicyIO:
             s[dims] = (s[dims] - lo) / (hi - lo)
         return s
 
-    def model_inputs(self, images: dict[str, np.ndarray | None], state: np.ndarray,
-                     images_converted: bool = False) -> ModelInputs:
-        """images_converted: the images already went through `image` (on another thread)."""
-        resized = {slot: self._converted(slot, img) if images_converted else self.image(slot, img)
-                   for slot, img in images.items() if img is not None}
+    def model_inputs(self, images: dict[str, np.ndarray | None], state: np.ndarray) -> ModelInputs:
+        resized = {slot: self.image(slot, img) for slot, img in images.items() if img is not None}
         s = self.model_state(state)
         return ModelInputs(resized, s, self.normalizer.normalize_state(s))
 

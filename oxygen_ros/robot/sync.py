@@ -32,9 +32,6 @@ class Observation:
     image_masks: dict[str, bool]  # True where the slot has an image
     state: np.ndarray
     prompt: str
-    # True: the images are already the model's (Engine.model_image: rotation, resize_with_pad), converted
-    # on the input thread so the engine thread never resizes a full-resolution camera image.
-    model_images: bool = False
 
 
 @dataclass
