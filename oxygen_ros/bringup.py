@@ -97,13 +97,34 @@ class Executors:
         self._named = [(self.actions, "ros-actions"), (self.inputs, "ros-inputs"),
                        (self.services, "ros-services"), (self.other, "ros-other")]
         self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
 
     def start(self) -> None:
-        self._threads = [threading.Thread(target=e.spin, name=name, daemon=True) for e, name in self._named]
+        self._threads = [threading.Thread(target=self._spin, args=(e,), name=name, daemon=True)
+                         for e, name in self._named]
         for t in self._threads:
             t.start()
 
+    def _spin(self, executor) -> None:
+        """executor.spin(), except that nodes leaving while it waits are not fatal: the engine node's cleanup
+        and shutdown destroy the nodes around it while their executors spin, and rclpy then raises 'wait set
+        is empty' from that one wait (seen at shutdown: a traceback per executor thread). The next wait has
+        the nodes that remain."""
+        from rclpy._rclpy_pybind11 import RCLError
+        from rclpy.executors import ExternalShutdownException, ShutdownException
+
+        while executor.context.ok() and not self._stopping.is_set():
+            try:
+                executor.spin_once(timeout_sec=0.2)
+            except (ExternalShutdownException, ShutdownException):
+                return
+            except RCLError:
+                if self._stopping.is_set() or not executor.context.ok():
+                    return
+                time.sleep(0.05)                 # no node to wait on yet (or any more): wait for one
+
     def shutdown(self) -> None:
+        self._stopping.set()
         for executor, _ in self._named:
             executor.shutdown(timeout_sec=2.0)
         for t in self._threads:
