@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import rclpy
@@ -63,6 +64,22 @@ class Bringup:
                 self.proc.wait(5)
         self._reader.join(5)
         return self.proc.returncode
+
+
+@contextmanager
+def running_bringup(args: list[str], domain: int, client_name: str = "oxygen_test_client",
+                    ready: str = "oxygen_bringup: running", ready_timeout: float = 90.0):
+    """(bringup, client) while the bringup runs; afterwards it must stop cleanly (exit code 0)."""
+    bringup = Bringup(args, domain)
+    client = RosClient(domain, client_name)
+    try:
+        assert bringup.wait_for_line(ready, ready_timeout), bringup.output()
+        yield bringup, client
+    finally:
+        client.close()
+        code = bringup.stop()
+        print(bringup.output()[-4000:])
+        assert code == 0, f"bringup exited with {code}"
 
 
 class RosClient:

@@ -15,7 +15,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from std_msgs.msg import Float64MultiArray
 
-from ros_harness import Bringup, RosClient, private_domain, wait_until
+from ros_harness import private_domain, running_bringup, wait_until
 
 CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -34,25 +34,18 @@ def console(tmp_path_factory):
         "needs Debian's chromium and chromium-driver (scripts/setup.sh installs them as root)"
     port = free_port()
     domain = private_domain(41)
-    bringup = Bringup(["--demo", "--console", str(port), "--status-period", "0"], domain)
-    client = RosClient(domain, "console_test")
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium")
     for flag in CHROME_FLAGS + [f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"]:
         options.add_argument(flag)
-    driver = None
-    try:
-        assert bringup.wait_for_line(f"console on http://127.0.0.1:{port}/", 90), bringup.output()
+    with running_bringup(["--demo", "--console", str(port), "--status-period", "0"], domain, "console_test",
+                         ready=f"console on http://127.0.0.1:{port}/") as (bringup, client):
         driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
-        driver.get(f"http://127.0.0.1:{port}/")
-        yield driver, client, bringup
-    finally:
-        if driver is not None:
+        try:
+            driver.get(f"http://127.0.0.1:{port}/")
+            yield driver, client, bringup
+        finally:
             driver.quit()
-        client.close()
-        code = bringup.stop()
-        print(bringup.output()[-3000:])
-        assert code == 0, f"bringup exited with {code}"
 
 
 def text(driver, element_id: str) -> str:

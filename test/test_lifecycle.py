@@ -16,7 +16,7 @@ from sensor_msgs.msg import Image
 from std_msgs.msg import Float64MultiArray
 
 from oxygen_interfaces.srv import Converse
-from ros_harness import Bringup, RosClient, private_domain, wait_until
+from ros_harness import private_domain, running_bringup, wait_until
 
 
 def call(client, srv_type, name, request, timeout=120.0):
@@ -51,16 +51,8 @@ def ask(client, text="What is on the table?"):
 @pytest.fixture(scope="module")
 def managed():
     domain = private_domain(23)
-    bringup = Bringup(["--demo", "--managed", "--status-period", "0"], domain)
-    client = RosClient(domain, "lifecycle_manager_test")
-    try:
-        assert bringup.wait_for_line("oxygen_bringup: running", 90), bringup.output()
-        yield bringup, client
-    finally:
-        client.close()
-        code = bringup.stop()
-        print(bringup.output())
-        assert code == 0, f"bringup exited with {code}"
+    with running_bringup(["--demo", "--managed", "--status-period", "0"], domain, "lifecycle_manager_test") as running:
+        yield running
 
 
 def test_transitions_through_the_lifecycle_services(managed, tmp_path):

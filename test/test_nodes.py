@@ -19,7 +19,7 @@ from std_srvs.srv import SetBool
 from oxygen_interfaces.action import Converse as ConverseAction
 from oxygen_interfaces.msg import ActionChunk, Caption
 from oxygen_interfaces.srv import Converse
-from ros_harness import Bringup, RosClient, private_domain, wait_until
+from ros_harness import private_domain, running_bringup, wait_until
 
 RATE_HZ = 70.0
 RATE_TOL = 0.10   # relative: the timer holds 70 Hz to ~0.3% alone; 10% is slack for 5 other jobs on 2 cores
@@ -35,18 +35,10 @@ def system(tmp_path_factory):
     overrides.write_text("oxygen_engine:\n  ros__parameters:\n    memory_period_s: 1.5\n"
                          "    decode_budget: fixed\n    tokens_per_frame: 1\n")
     domain = private_domain(11)
-    bringup = Bringup(["--demo", "--params-file", str(overrides), "--status-period", "2"], domain)
-    client = RosClient(domain)
-    try:
-        assert bringup.wait_for_line("oxygen_bringup: running", 90), bringup.output()
+    with running_bringup(["--demo", "--params-file", str(overrides), "--status-period", "2"], domain) as (bringup, client):
         actions = client.collect(Float64MultiArray, "/oxygen/action")
         assert wait_until(lambda: len(actions) > 20, 60), "no actions published:\n" + bringup.output()
         yield bringup, client
-    finally:
-        client.close()
-        code = bringup.stop()
-        print(bringup.output())
-        assert code == 0, f"bringup exited with {code}"
 
 
 def rate_over(client, seconds: float):
