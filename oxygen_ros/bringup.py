@@ -67,10 +67,20 @@ def demo_weights_params() -> Path:
     return path
 
 
-def status_line(engine, action) -> str:
+def status_line(engine, robots: list) -> str:
+    """One line for the process: the single robot's actions, or each fleet robot's (rate, state, chunks,
+    deadline misses), then the engine."""
     s = engine.stats.snapshot()
-    r = action.rate.summary()
-    return (f"[status] actions {r['rate_hz']:5.1f} Hz (jitter {r['period_ms_std']:.1f} ms, {action.last_status}) | "
+    if len(robots) == 1 and not robots[0].robot:
+        r = robots[0].action.rate.summary()
+        actions = (f"actions {r['rate_hz']:5.1f} Hz (jitter {r['period_ms_std']:.1f} ms, "
+                   f"{robots[0].action.last_status})")
+    else:
+        actions = "robots " + ", ".join(
+            f"{robot.robot} {robot.action.rate.summary()['rate_hz']:5.1f} Hz {robot.action.last_status} "
+            f"({s['robots'][robot.robot]['chunks']} chunks, {s['robots'][robot.robot]['deadline_misses']} late)"
+            for robot in robots)
+    return (f"[status] {actions} | "
             f"frame {s['frame_ms_mean']:6.1f} ms (prefill {s['prefill_ms_mean']:.0f}, actions {s['action_ms_mean']:.0f}, "
             f"text {s['decode_ms_mean']:.0f}) -> {s['action_hz']:5.1f} Hz chunk rate | "
             f"{s['tokens_per_s']:6.1f} tok/s | requests {s['active_requests']} active {s['queued_requests']} queued | "
@@ -132,20 +142,64 @@ class Executors:
 
 
 class RobotNodes:
-    """The nodes around a configured engine (EngineNode's `attach`): built at configure (their parameters
-    are checked against the engine's model; every problem is listed), destroyed at cleanup."""
+    """One robot's nodes around the engine: observation, actions, conversation, in the robot's namespace
+    (a fleet robot: /<namespace>/oxygen/...; the single robot "": /oxygen/...). A fleet robot's parameters
+    are given to its nodes (fleet.FleetRobot.parameters); the single robot's come from the params files."""
 
-    def __init__(self, engine, executors: Executors, engine_params: dict, lifecycle_state,
-                 record: str | None = None, console_port: int | None = None):
+    def __init__(self, engine, build, robot: str = "", namespace: str | None = None, parameters=None):
         from rclpy.parameter import Parameter
-        from rclpy.qos import QoSProfile
-        from rclpy.service_introspection import ServiceIntrospectionState
 
         from .nodes.action_publisher import ActionPublisher
         from .nodes.conversation_service import ConversationService
         from .nodes.observation_node import ObservationNode
-        from .nodes.params import ParameterError
+
+        def kwargs(node: str) -> dict:
+            if parameters is None:
+                return {}
+            return dict(namespace=namespace,
+                        parameter_overrides=[Parameter(k, value=v) for k, v in parameters(node).items()])
+
+        self.robot = robot
+        self.observation = build(lambda: ObservationNode(engine, robot=robot, **kwargs("oxygen_observation")))
+        self.action = build(lambda: ActionPublisher(
+            engine, inputs_fresh=self.observation and self.observation.inputs_fresh, robot=robot,
+            **kwargs("oxygen_action")))
+        self.conversation = build(lambda: ConversationService(engine, robot=robot, **kwargs("oxygen_conversation")))
+
+    def place(self, executors: Executors) -> list:
+        # Questions and replies as service events (<ns>/oxygen/converse/_service_event, as ros2 service echo
+        # shows them; the streaming action's under <ns>/oxygen/converse_stream/_action/): the debug picture
+        # shows the latest reply, the recorder stores them.
+        from rclpy.qos import QoSProfile
+        from rclpy.service_introspection import ServiceIntrospectionState
+
+        self.conversation.configure_introspection(QoSProfile(depth=100), ServiceIntrospectionState.CONTENTS)
+        self.action.enabled = self.action.active = False         # until the engine node is activated
+        self.conversation.active = False
+        return [(executors.inputs, self.observation), (executors.actions, self.action),
+                (executors.services, self.conversation)]
+
+    def activate(self) -> None:
+        self.conversation.active = self.action.active = True
+        self.action.set_enabled(self.action.p["start_enabled"])
+
+    def deactivate(self) -> None:
+        # Inactive first, so that no oxygen/enable call can turn output back on after the final stop.
+        self.action.active = self.conversation.active = False
+        self.action.set_enabled(False)
+
+
+class ProcessNodes:
+    """The nodes around a configured engine (EngineNode's `attach`): each robot's (RobotNodes; one, "", or
+    a fleet's), and with the single robot the recorder, view and console; built at configure (their
+    parameters are checked against the engine's model; every problem is listed), destroyed at cleanup."""
+
+    def __init__(self, engine, executors: Executors, engine_node, record: str | None = None,
+                 console_port: int | None = None):
+        from rclpy.parameter import Parameter
+
         from .console.console_node import ConsoleNode
+        from .nodes.params import ParameterError
         from .record.recorder import Recorder, raw_topics
         from .view.view_node import ViewNode
 
@@ -162,48 +216,54 @@ class RobotNodes:
             self.nodes.append(node)
             return node
 
-        self.observation = build(lambda: ObservationNode(engine))
-        self.action = build(lambda: ActionPublisher(
-            engine, inputs_fresh=self.observation and self.observation.inputs_fresh))
-        self.conversation = build(lambda: ConversationService(engine))
-        if not problems:
+        fleet, files = engine_node.fleet, engine_node.files
+        if not fleet:
+            self.robots = [RobotNodes(engine, build)]
+        else:
+            # The recorder, view and console follow one robot's frames: a fleet runs without them for now.
+            problems += [f"--{flag}: not available with a fleet (robots: {', '.join(r.name for r in fleet)}) yet"
+                         for flag, given in (("record", record), ("console", console_port)) if given]
+            self.robots = [RobotNodes(engine, build, r.name, r.namespace, lambda node, r=r: r.parameters(node, files))
+                           for r in fleet]
+            problems += _shared_inputs(self.robots)
+        single = self.robots[0]
+        self.recorder = self.view = self.console = None
+        if not problems and not fleet:
             self.recorder = build(lambda: Recorder(
-                engine, {"engine_params": engine_params, "conversation_params": self.conversation.p,
-                         "camera_slots": self.observation.slots},
-                raw_topics(self.action, self.conversation, self.observation), self.action.names,
+                engine, {"engine_params": engine_node.p, "conversation_params": single.conversation.p,
+                         "camera_slots": single.observation.slots},
+                raw_topics(single.action, single.conversation, single.observation), single.action.names,
                 parameter_overrides=[Parameter("path", value=record)] if record else []))
-            self.view = build(lambda: ViewNode(engine, self.observation, self.action, self.conversation))
+            self.view = build(lambda: ViewNode(engine, single.observation, single.action, single.conversation))
             self.console = build(lambda: ConsoleNode(
-                engine, self.action, self.conversation, self.observation, self.view, lifecycle_state,
+                engine, single.action, single.conversation, single.observation, self.view,
+                lambda: engine_node.state_label,
                 parameter_overrides=[Parameter("port", value=console_port)] if console_port else []))
         if problems:
             self.destroy()
             raise ParameterError("\n".join(problems))
-        # Questions and replies as service events (/oxygen/converse/_service_event, as ros2 service echo
-        # shows them; the streaming action's under /oxygen/converse_stream/_action/): the debug picture
-        # shows the latest reply, the recorder stores them.
-        self.conversation.configure_introspection(QoSProfile(depth=100), ServiceIntrospectionState.CONTENTS)
-        self.action.enabled = self.action.active = False         # until the engine node is activated
-        self.conversation.active = False
-        self._placed = [(executors.inputs, self.observation), (executors.actions, self.action),
-                        (executors.services, self.conversation), (executors.other, self.recorder),
-                        (executors.other, self.view), (executors.other, self.console)]
+        self._placed = [placed for robot in self.robots for placed in robot.place(executors)]
+        self._placed += [(executors.other, node) for node in (self.recorder, self.view, self.console) if node]
         for executor, node in self._placed:
             executor.add_node(node)
 
+    @property
+    def action(self):
+        """The single robot's action publisher (the status line and the demo)."""
+        return self.robots[0].action
+
     def activate(self) -> None:
-        self.conversation.active = self.action.active = True
-        self.action.set_enabled(self.action.p["start_enabled"])
+        for robot in self.robots:
+            robot.activate()
 
     def deactivate(self) -> None:
-        # Inactive first, so that no /oxygen/enable call can turn output back on after the final stop.
-        self.action.active = self.conversation.active = False
-        self.action.set_enabled(False)
+        for robot in self.robots:
+            robot.deactivate()
 
     def destroy(self) -> None:
-        for closing in ("console", "recorder"):
-            if getattr(self, closing, None) is not None:
-                getattr(self, closing).close()
+        for closing in (self.console, self.recorder):
+            if closing is not None:
+                closing.close()
         for executor, node in getattr(self, "_placed", []):
             executor.remove_node(node)
         for node in self.nodes:
@@ -222,9 +282,25 @@ class RobotNodes:
             try:
                 statuses += node.diagnostics()
             except Exception as e:  # noqa: BLE001
-                statuses.append(status(f"oxygen_ros: {node.get_name()}", DiagnosticStatus.ERROR,
+                statuses.append(status(f"oxygen_ros: {node.get_fully_qualified_name()}", DiagnosticStatus.ERROR,
                                        f"diagnostics failed: {type(e).__name__}: {e}", {}))
         return statuses
+
+
+def _shared_inputs(robots: list[RobotNodes]) -> list[str]:
+    """Two robots reading one state topic would each act on the other's joints: refused. (A camera may be
+    shared: an overhead view of two arms.)"""
+    readers: dict[str, str] = {}
+    problems = []
+    for robot in robots:
+        if robot.observation is None:
+            continue
+        topic = robot.observation.resolve_topic_name(robot.observation.p["state_topic"])
+        if topic in readers:
+            problems.append(f"{readers[topic]} and {robot.robot} both read their state from {topic}: give each "
+                            "robot its own state_topic (/<namespace>/oxygen_observation)")
+        readers.setdefault(topic, robot.robot)
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     from rclpy.signals import SignalHandlerOptions
 
     from .nodes.engine_node import EngineNode
+    from .nodes.fleet import ParamsFiles
     from .robot.configs import find_config
 
     try:
@@ -249,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(0.001)
     rclpy.init(args=rcl_args, signal_handler_options=SignalHandlerOptions.NO)
     executors = Executors(args.threads)
-    engine_node = EngineNode(attach=lambda engine: RobotNodes(
-        engine, executors, engine_node.p, lambda: engine_node.state_label, args.record, args.console))
+    engine_node = EngineNode(attach=lambda engine: ProcessNodes(engine, executors, engine_node, args.record,
+                                                                args.console),
+                             params_files=ParamsFiles(files))
     nodes = [engine_node]
     try:
         executors.services.add_node(engine_node)
@@ -292,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.status_period and now >= next_status:
                 attached = engine_node.attached
                 if attached is not None and engine_node.state_label == "active":
-                    print(status_line(engine_node.engine, attached.action)
+                    print(status_line(engine_node.engine, attached.robots)
                           + (f" | {sim.status()}" if args.demo else ""), flush=True)
                 else:
                     print(f"[status] oxygen_engine {engine_node.state_label}", flush=True)

@@ -228,7 +228,7 @@ def observation(ros, engine_factory):
     def make(**params):
         engine = engine_factory()
         engine.observations = []
-        engine.submit_observation = lambda obs, noise=None: engine.observations.append(obs)
+        engine.submit_observation = lambda obs, noise=None, robot="": engine.observations.append(obs)
         params = {"cameras.base_0_rgb.topic": "/cam", "cameras.base_0_rgb.compressed": True,
                   "cameras.base_0_rgb.required": True, "missing_after_s": 0.0, **params}
         return ros.add(ObservationNode(engine, context=ros.context,

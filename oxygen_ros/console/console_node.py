@@ -29,6 +29,7 @@ from rclpy.node import Node
 from std_msgs.msg import String
 from std_srvs.srv import SetBool
 
+from oxygen_ros.nodes.action_publisher import ENABLE_SERVICE
 from oxygen_ros.nodes.engine_node import status
 from oxygen_ros.nodes.params import Param, ParameterError, declare_all
 
@@ -55,7 +56,7 @@ class ConsoleNode(Node):
 
         self._ConverseAction = ConverseAction
         self.stream_client = ActionClient(self, ConverseAction, conversation.p["action_name"])
-        self.enable_client = self.create_client(SetBool, "/oxygen/enable")
+        self.enable_client = self.create_client(SetBool, ENABLE_SERVICE)
         self.prompt_pub = self.create_publisher(String, observation.p["prompt_topic"], 10)
         self._obs = None
         engine.add_frame_listener(self._on_frame)

@@ -25,14 +25,16 @@ from oxygen_ros.robot.limits import ActionLimits
 from oxygen_ros.robot.rate import RateMeter
 
 from .action_output import OUTPUT_TYPES, chunk_message, command_message, trajectory_message, zero_twist
-from .engine_node import status
+from .engine_node import status, status_name
 from .params import Param, ParameterError, declare_all
+
+ENABLE_SERVICE = "oxygen/enable"   # relative, like every interface name: resolved in the robot's namespace
 
 PARAMS = [
     Param("action_rate_hz", 70.0, "Commands per second.", minimum=1.0, maximum=1000.0),
     Param("output_type", "float64_array", "Message type of /oxygen/action.", choices=tuple(OUTPUT_TYPES)),
-    Param("action_topic", "/oxygen/action", "Where commands go."),
-    Param("chunk_topic", "/oxygen/action_chunk", "Where every new chunk goes (oxygen_interfaces/ActionChunk)."),
+    Param("action_topic", "oxygen/action", "Where commands go (relative: in the robot's namespace)."),
+    Param("chunk_topic", "oxygen/action_chunk", "Where every new chunk goes (oxygen_interfaces/ActionChunk)."),
     Param("joint_names", [], "Names of the action dimensions (joint_state / joint_trajectory / chunks)."),
     Param("frame_id", "base_link", "Frame of twist / pose commands."),
     Param("rotation", "axis_angle", "Rotation encoding of pose actions.",
@@ -54,13 +56,16 @@ PARAMS = [
 
 
 class ActionPublisher(Node):
-    def __init__(self, engine: Engine, inputs_fresh=None, **node_kwargs):
+    def __init__(self, engine: Engine, inputs_fresh=None, robot: str = "", **node_kwargs):
+        """robot: whose chunks to play (a fleet's robot name; "" for the single robot)."""
         super().__init__("oxygen_action", **node_kwargs)
         self.engine = engine
+        self.robot = robot
+        info = engine.robot_info(robot)
         self.p, problems = declare_all(self, PARAMS)
         p = self.p
         self.inputs_fresh = inputs_fresh or (lambda: True)
-        dim = engine.info.action_dim
+        dim = info.action_dim
         self.names = list(p["joint_names"])
         if self.names and len(self.names) != dim:
             problems.append(f"joint_names has {len(self.names)} names, the actions have {dim} dimensions")
@@ -68,9 +73,9 @@ class ActionPublisher(Node):
             problems.append(f"interpolate has {len(p['interpolate'])} entries, the actions have {dim} dimensions")
         if p["output_type"] in ("joint_state", "joint_trajectory") and not self.names:
             problems.append(f"output_type {p['output_type']} needs joint_names")
-        if abs(engine.info.action_rate_hz - p["action_rate_hz"]) > 1e-9:
+        if abs(info.action_rate_hz - p["action_rate_hz"]) > 1e-9:
             problems.append(f"action_rate_hz {p['action_rate_hz']} differs from the engine's "
-                            f"{engine.info.action_rate_hz} (chunk rows would be mistimed)")
+                            f"{info.action_rate_hz} (chunk rows would be mistimed)")
         try:
             self.limits = ActionLimits.from_config(dim, p["lower_limits"] or None, p["upper_limits"] or None,
                                                    p["max_velocity"] or None, 1.0 / p["action_rate_hz"])
@@ -105,8 +110,9 @@ class ActionPublisher(Node):
         self.chunk_pub = self.create_publisher(ActionChunk, p["chunk_topic"], 10)
         group = MutuallyExclusiveCallbackGroup()
         self.timer = self.create_timer(1.0 / p["action_rate_hz"], self._tick, callback_group=group)
-        self.create_service(SetBool, "/oxygen/enable", self._on_enable, callback_group=MutuallyExclusiveCallbackGroup())
-        engine.add_chunk_listener(self._on_chunk)
+        self.create_service(SetBool, ENABLE_SERVICE, self._on_enable, callback_group=MutuallyExclusiveCallbackGroup())
+        # The engine's listeners get every robot's chunks: this robot's only.
+        engine.add_chunk_listener(lambda chunk: chunk.robot == robot and self._on_chunk(chunk))
 
     # engine thread: store only, never block
     def _on_chunk(self, chunk: ChunkResult) -> None:
@@ -232,6 +238,8 @@ class ActionPublisher(Node):
             level, message = DiagnosticStatus.ERROR, f"tick failed, actions stopped: {self.last_error}"
         else:
             level, message = DiagnosticStatus.WARN, f"no command ({state})"
+        plan = self.follower.plan
         values = dict(r, status=state, commands=self.commands, clamped_ticks=self.clamped_ticks,
-                      enabled=self.enabled, tick_errors=self.tick_errors, **self.follower.stats)
-        return [status("oxygen_ros: actions", level, message, values)]
+                      enabled=self.enabled, tick_errors=self.tick_errors,
+                      chunk_age_s=self._now() - plan.stamp_s if plan is not None else "none", **self.follower.stats)
+        return [status(status_name("actions", self.robot), level, message, values)]

@@ -31,15 +31,15 @@ from oxygen_ros.engine.sessions import Sessions
 from oxygen_ros.robot.text import validate_text
 
 from .action_output import ros_time
-from .engine_node import status
+from .engine_node import status, status_name
 from .params import Param, ParameterError, declare_all
 
 MAX_STREAM_WAIT_S = 24 * 3600.0  # longest a stream waits for its reply (the engine times requests out first)
 
 PARAMS = [
-    Param("service_name", "/oxygen/converse", "Conversation service (oxygen_interfaces/srv/Converse)."),
-    Param("action_name", "/oxygen/converse_stream", "Streaming conversation (oxygen_interfaces/action/Converse)."),
-    Param("memory_topic", "/oxygen/memory", "Scene captions (oxygen_interfaces/msg/Caption)."),
+    Param("service_name", "oxygen/converse", "Conversation service (oxygen_interfaces/srv/Converse)."),
+    Param("action_name", "oxygen/converse_stream", "Streaming conversation (oxygen_interfaces/action/Converse)."),
+    Param("memory_topic", "oxygen/memory", "Scene captions (oxygen_interfaces/msg/Caption)."),
     Param("default_max_tokens", 32, "Reply length when a request asks for 0.", minimum=1),
     Param("default_timeout_s", 30.0, "Request timeout when a request asks for 0.", minimum=0.1,
           maximum=MAX_STREAM_WAIT_S),
@@ -90,13 +90,15 @@ class _DeferredService:
 
 
 class ConversationService(Node):
-    def __init__(self, engine: Engine, **node_kwargs):
+    def __init__(self, engine: Engine, robot: str = "", **node_kwargs):
+        """robot: whose camera the questions are about (a fleet's robot name; "" for the single robot)."""
         super().__init__("oxygen_conversation", **node_kwargs)
         from oxygen_interfaces.action import Converse as ConverseAction
         from oxygen_interfaces.msg import Caption as CaptionMsg
         from oxygen_interfaces.srv import Converse
 
         self.engine = engine
+        self.robot = robot
         self.active = True                  # False while the engine node is inactive: requests are refused
         self.p, problems = declare_all(self, PARAMS)
         if problems:
@@ -128,7 +130,8 @@ class ConversationService(Node):
 
         self.memory_pub = self.create_publisher(CaptionMsg, self.p["memory_topic"], 10)
         self._captions: queue.SimpleQueue = queue.SimpleQueue()
-        engine.add_caption_listener(self._captions.put)          # engine thread: enqueue only
+        # Engine thread: enqueue only, this robot's captions only (the listeners get every robot's).
+        engine.add_caption_listener(lambda caption: caption.robot == robot and self._captions.put(caption))
         self.create_timer(0.1, self._publish_captions, callback_group=MutuallyExclusiveCallbackGroup())
 
     def configure_introspection(self, qos, state) -> None:
@@ -144,7 +147,7 @@ class ConversationService(Node):
             sampling=Sampling(temperature=max(float(r.temperature), 0.0), top_p=float(r.top_p) or 1.0,
                               seed=next(self._seeds)),
             stop=tuple(s for s in r.stop if s), timeout_s=float(r.timeout_s) or self.p["default_timeout_s"],
-            session_id=r.session_id)
+            session_id=r.session_id, owner=self.robot)
 
     def _submit(self, r):
         self.counts["requests"] += 1
@@ -286,5 +289,6 @@ class ConversationService(Node):
         if self.engine.queued_requests >= self.engine.info.max_queued_requests:
             level, message = DiagnosticStatus.WARN, "request queue full: new requests are refused as busy"
         values = dict(self.counts, active=self.engine.active_requests, queued=self.engine.queued_requests,
-                      active_streams=self._stream_slots, captions=len(self.engine.captions()))
-        return [status("oxygen_ros: conversation", level, message, values)]
+                      active_streams=self._stream_slots,
+                      captions=sum(c.robot == self.robot for c in self.engine.captions()))
+        return [status(status_name("conversation", self.robot), level, message, values)]

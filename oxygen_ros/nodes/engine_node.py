@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 import torch
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
-from rcl_interfaces.msg import SetParametersResult
+from rcl_interfaces.msg import ParameterDescriptor, SetParametersResult
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 
 from oxygen_ros.engine.config import EngineConfig, node_settings
@@ -32,6 +32,7 @@ from oxygen_ros.model.config import PREFIX_MODES, PRESETS
 from oxygen_ros.progress import LongTask, human_bytes, size_of
 from oxygen_ros.robot.policy_io import RobotIOConfig
 
+from .fleet import ROBOT_KEYS, FleetRobot, ParamsFiles, read_fleet, valid_name
 from .params import Param, ParameterError, declare_all, read_all
 
 # Engine settings come from EngineConfig (declared once, with their descriptions and bounds); the rest
@@ -75,7 +76,17 @@ PARAMS = ENGINE_PARAMS + [
     Param("control_period_s", 0.0, "Seconds between chunk rows: the rate the checkpoint was trained at "
                                    "(DROID 1/15, ALOHA 1/50). 0: one row per publish tick.", minimum=0.0),
     Param("torch_threads", 0, "CPU threads for torch (0: torch's default).", minimum=0),
+    Param("robots", [], "A fleet: the robots this engine serves (names), each configured by <name>.namespace "
+                        "(default /<name>), <name>.robot_config, <name>.norm_stats, <name>.asset_id (see "
+                        "docs/fleet.md). Empty: one robot, no namespace (/oxygen/...), configured by the "
+                        "parameters above."),
 ]
+ROBOT_PARAM_HELP = {
+    "namespace": "Namespace of robot {0}'s nodes and interface (/<namespace>/oxygen/...). Empty: /{0}.",
+    "robot_config": "Robot {0}'s config: a name in config/ (droid, aloha, libero, demo) or a YAML file.",
+    "norm_stats": "Robot {0}'s norm_stats.json (or a directory with assets/<asset_id>/). Empty: none.",
+    "asset_id": "Which assets/<asset_id> folder robot {0}'s norm stats come from when there are several.",
+}
 
 
 class AttachedNodes(Protocol):
@@ -88,8 +99,13 @@ class AttachedNodes(Protocol):
 
 
 class EngineNode(LifecycleNode):
-    def __init__(self, attach: Callable[[Engine], AttachedNodes] | None = None, **node_kwargs):
+    def __init__(self, attach: Callable[[Engine], AttachedNodes] | None = None,
+                 params_files: ParamsFiles | None = None, **node_kwargs):
+        """params_files: the parameter files this process was started with (a fleet's per-robot node
+        sections and its robots' settings are checked against them)."""
         super().__init__("oxygen_engine", **node_kwargs)
+        self.files = params_files or ParamsFiles()
+        self.fleet: list[FleetRobot] = []            # empty: the single robot ""
         # Read again at every configure (a failed configure is fixed by setting parameters, then configuring
         # again); changes are refused while configured, where they would report success and change nothing.
         self.p, _ = declare_all(self, PARAMS, read_only=False)     # checked at configure, when they are used
@@ -110,6 +126,8 @@ class EngineNode(LifecycleNode):
     # ------------------------------------------------------------------ lifecycle transitions
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         self.p, problems = read_all(self, PARAMS)
+        self.fleet, fleet_problems = self._read_fleet()
+        problems += fleet_problems
         try:
             self.engine = self._build(problems)
             if self._attach is not None:
@@ -167,6 +185,36 @@ class EngineNode(LifecycleNode):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    def _robots(self, p: dict) -> dict:
+        """build_engine's robot arguments: the single robot's I/O, or each fleet robot's I/O and norm stats."""
+        if not self.fleet:
+            return dict(robot_io=RobotIOConfig.from_params(p), norm_stats=p["norm_stats"] or None,
+                        asset_id=p["asset_id"] or None)
+        for robot in self.fleet:
+            if robot.ignored:
+                self.get_logger().info(f"robot {robot.name}: {robot.config_file.name}'s engine settings "
+                                       f"{', '.join(robot.ignored)} are the fleet engine's: not used")
+        return dict(robots={r.name: r.io for r in self.fleet},
+                    norm_stats={r.name: r.norm_stats or None for r in self.fleet},
+                    asset_id={r.name: r.asset_id or None for r in self.fleet})
+
+    def _read_fleet(self) -> tuple[list[FleetRobot], list[str]]:
+        """The robots of `robots` with their <name>.<key> parameters (declared here, at configure: their names
+        come from `robots`), and every problem with them."""
+        names = [str(n) for n in self.p["robots"]]
+        if not names:
+            return [], []
+        values = {}
+        for name in names:
+            if not valid_name(name):
+                continue                         # read_fleet names the problem; no parameter can be declared
+            for key, help_text in ROBOT_PARAM_HELP.items():
+                if not self.has_parameter(f"{name}.{key}"):
+                    self.declare_parameter(f"{name}.{key}", "", ParameterDescriptor(
+                        description=help_text.format(name), dynamic_typing=True))   # a wrong type: named below
+            values[name] = {key: self.get_parameter(f"{name}.{key}").value for key in ROBOT_KEYS}
+        return read_fleet(names, values, self.files)
+
     @property
     def state_label(self) -> str:
         return self._state_machine.current_state[1]
@@ -211,8 +259,11 @@ class EngineNode(LifecycleNode):
                 cfg = model_config(p["model"], **overrides)
             except ValueError as e:
                 problems.append(str(e))
-        if cfg is not None:
+        if cfg is not None and not self.fleet:
             problems += RobotIOConfig.from_params(p).problems(cfg.action_dim, cfg.camera_slots)
+        for robot in self.fleet if cfg is not None else ():
+            problems += [f"{robot.name} ({robot.config_file.name}): {problem}"
+                         for problem in robot.io.problems(cfg.action_dim, cfg.camera_slots)]
         state_in_prompt = p["state_in_prompt"]
         if lerobot is not None and cfg is not None:
             cameras, camera_problems = lerobot.camera_slots(cfg.camera_slots)
@@ -236,18 +287,21 @@ class EngineNode(LifecycleNode):
             with LongTask(f"loading model {p['model']} from {source}{size} on {device}", self.get_logger().info):
                 engine = build_engine(
                     cfg, checkpoint=p["checkpoint"] or None, tokenizer=p["tokenizer"] or None,
-                    norm_stats=p["norm_stats"] or None, asset_id=p["asset_id"] or None, engine=engine_cfg,
+                    engine=engine_cfg,
                     device=device, kv_budget_mb=p["kv_budget_mb"], block_size=p["block_size"],
                     backend=None if p["attention_backend"] == "auto" else p["attention_backend"],
-                    robot_io=RobotIOConfig.from_params(p), state_in_prompt=state_in_prompt, seed=p["seed"])
+                    state_in_prompt=state_in_prompt, seed=p["seed"], **self._robots(p))
         except (ValueError, FileNotFoundError) as e:
             raise ParameterError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - a corrupt file, a device error: say which load failed
             raise ParameterError(f"loading {source} failed: {type(e).__name__}: {e}") from None
+        serves = (f", serving {len(self.fleet)} robots: "
+                  + ", ".join(f"{r.name} ({r.namespace}, {r.config_file.name}, {engine.robot_info(r.name).action_dim} "
+                              f"action dims)" for r in self.fleet)) if self.fleet else ""
         self.get_logger().info(f"engine ready: {p['model']} from {source} on {device}, policy {p['policy']}, "
                                f"{engine.info.kv_blocks} KV blocks of {engine.info.block_size} tokens, "
                                f"attention {engine.info.attention_backend}, CUDA graphs "
-                               f"{'on' if engine.info.cuda_graphs else 'off'}")
+                               f"{'on' if engine.info.cuda_graphs else 'off'}{serves}")
         if engine.stats.counter("graph_capture_failures"):
             self.get_logger().warning(engine.stats.last_error)
         return engine
@@ -285,7 +339,24 @@ class EngineNode(LifecycleNode):
                                          "pool_blocks_total", "pool_occupancy", "graph_replays", "graph_fallbacks")})
         values["cuda_graphs"] = self.engine.info.cuda_graphs
         values["last_error"] = s["last_error"]
-        return [status("oxygen_ros: engine", level, message, values)]
+        return [status("oxygen_ros: engine", level, message, values)] + [
+            self._robot_status(robot.name, s["robots"][robot.name], lifecycle) for robot in self.fleet]
+
+    def _robot_status(self, robot: str, s: dict, lifecycle: str) -> DiagnosticStatus:
+        """A fleet robot's side of the engine: its frames, chunks, deadline misses, chunk latency and the
+        observations it lost (dropped: replaced by a newer one; deferred: left for the next cycle)."""
+        level, message = DiagnosticStatus.OK, "running"
+        if lifecycle != "active":
+            level, message = DiagnosticStatus.WARN, f"{lifecycle}: actions off"
+        elif s["chunks"] == 0:
+            level, message = DiagnosticStatus.WARN, "no chunk for this robot yet"
+        return status(status_name("engine", robot), level, message, dict(s, chunk_period_s=self.engine.robot_info(robot).chunk_period_s))
+
+
+def status_name(what: str, robot: str = "") -> str:
+    """A diagnostic status name: `oxygen_ros: actions` for the single robot, `oxygen_ros: arm_a actions` for
+    robot arm_a of a fleet."""
+    return f"oxygen_ros: {robot} {what}" if robot else f"oxygen_ros: {what}"
 
 
 def status(name: str, level, message: str, values: dict) -> DiagnosticStatus:

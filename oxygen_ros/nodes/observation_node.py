@@ -22,7 +22,7 @@ from oxygen_ros.robot.sync import ObservationAssembler
 from oxygen_ros.robot.text import validate_text
 from oxygen_ros.robot.watchdog import StaleWatch
 
-from .engine_node import status
+from .engine_node import status, status_name
 from .params import Param, ParameterError, declare_all
 
 
@@ -44,7 +44,7 @@ def params_for(slots) -> list[Param]:
               choices=("joint_state", "float64_array")),
         Param("joint_names", [], "State joints in the model's order (JointState only; empty: as received)."),
         Param("state_dim", 0, "Expected state length (0: any).", minimum=0),
-        Param("prompt_topic", "/oxygen/prompt", "std_msgs/String topic that changes the task prompt."),
+        Param("prompt_topic", "oxygen/prompt", "std_msgs/String topic that changes the task prompt."),
         Param("prompt", "", "Task prompt until one arrives on prompt_topic."),
         Param("max_prompt_chars", 500, "Longest prompt accepted.", minimum=1),
         Param("slop_s", 0.05, "Largest |image stamp - state stamp| that pairs them.", minimum=0.0),
@@ -62,10 +62,13 @@ def params_for(slots) -> list[Param]:
 
 
 class ObservationNode(Node):
-    def __init__(self, engine: Engine, **node_kwargs):
+    def __init__(self, engine: Engine, robot: str = "", **node_kwargs):
+        """robot: whose observations these are (a fleet's robot name; "" for the single robot)."""
         super().__init__("oxygen_observation", **node_kwargs)
         self.engine = engine
-        self.slots = list(engine.info.camera_slots)
+        self.robot = robot
+        info = engine.robot_info(robot)
+        self.slots = list(info.camera_slots)
         self.p, problems = declare_all(self, params_for(self.slots))
         topics = {s: self.p[f"cameras.{s}.topic"] for s in self.slots if self.p[f"cameras.{s}.topic"]}
         required = [s for s in self.slots if self.p[f"cameras.{s}.required"]]
@@ -75,7 +78,7 @@ class ObservationNode(Node):
         joint_names = [j for j in self.p["joint_names"] if j]
         if joint_names and self.p["state_dim"] and len(joint_names) != self.p["state_dim"]:
             problems.append(f"joint_names has {len(joint_names)} joints but state_dim is {self.p['state_dim']}")
-        max_state = engine.info.max_state_dim  # π0.5 pads the state to action_dim: nothing longer fits
+        max_state = info.max_state_dim  # π0.5 pads the state to action_dim: nothing longer fits
         if max(len(joint_names), self.p["state_dim"]) > max_state:
             problems.append(f"state of {max(len(joint_names), self.p['state_dim'])} values (joint_names/state_dim) "
                             f"exceeds the model's {max_state}")
@@ -148,7 +151,7 @@ class ObservationNode(Node):
         try:
             obs = self.assembler.poll(self._now())
             if obs is not None:
-                self.engine.submit_observation(obs)
+                self.engine.submit_observation(obs, robot=self.robot)
                 self.observations += 1
                 self.watch.seen(self._now())
         except Exception as e:  # noqa: BLE001
@@ -176,4 +179,4 @@ class ObservationNode(Node):
         values = dict(self.assembler.stats, **self.stamps.stats, **self.stamps.age_summary(),
                       observations=self.observations, bad_inputs=self.bad_inputs,
                       observation_age_s=age, stale_transitions=self.watch.transitions, last_error=self.last_error)
-        return [status("oxygen_ros: inputs", level, message, values)]
+        return [status(status_name("inputs", self.robot), level, message, values)]

@@ -152,20 +152,22 @@ class Recorder(Node):
 
 
 def raw_topics(action, conversation, observation) -> dict:
-    """The DDS topics recorded as published, with their types (names from the nodes' parameters)."""
+    """The DDS topics recorded as published, with their types (names from the nodes' parameters, resolved in
+    each node's namespace as ROS resolves them: the recording names the topics absolutely)."""
     from action_msgs.msg import GoalStatusArray
 
     from oxygen_interfaces.action import Converse as ConverseAction
     from oxygen_interfaces.msg import Caption
     from oxygen_interfaces.srv import Converse
 
-    action_name = conversation.p["action_name"]
+    action_name = conversation.resolve_topic_name(conversation.p["action_name"])
+    service_name = conversation.resolve_service_name(conversation.p["service_name"])
     return {
-        action.p["action_topic"]: action.pub.msg_type,
+        action.resolve_topic_name(action.p["action_topic"]): action.pub.msg_type,
         "/diagnostics": DiagnosticArray,
-        conversation.p["memory_topic"]: Caption,
-        observation.p["prompt_topic"]: String,
-        f"{conversation.p['service_name']}/_service_event": Converse.Event,
+        conversation.resolve_topic_name(conversation.p["memory_topic"]): Caption,
+        observation.resolve_topic_name(observation.p["prompt_topic"]): String,
+        f"{service_name}/_service_event": Converse.Event,
         f"{action_name}/_action/feedback": ConverseAction.Impl.FeedbackMessage,
         f"{action_name}/_action/send_goal/_service_event": ConverseAction.Impl.SendGoalService.Event,
         f"{action_name}/_action/get_result/_service_event": ConverseAction.Impl.GetResultService.Event,

@@ -33,8 +33,8 @@ PARAMS = [
     Param("camera_intrinsics", [], "fx, fy, cx, cy of camera_slot (pixels of its image), to project the path."),
     Param("camera_pose", [], "x, y, z, qx, qy, qz, qw of camera_slot's optical frame in base_frame."),
     Param("base_frame", "base_link", "Frame of the end-effector path and the markers."),
-    Param("debug_topic", "/oxygen/debug_image", "Debug picture topic (sensor_msgs/Image, rgb8)."),
-    Param("marker_topic", "/oxygen/chunk_markers", "Chunk markers (visualization_msgs/MarkerArray)."),
+    Param("debug_topic", "oxygen/debug_image", "Debug picture topic (sensor_msgs/Image, rgb8)."),
+    Param("marker_topic", "oxygen/chunk_markers", "Chunk markers (visualization_msgs/MarkerArray)."),
 ]
 
 

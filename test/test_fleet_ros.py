@@ -1,0 +1,314 @@
+"""One engine, many robots, on the ROS side (issue #17): the fleet declared in oxygen_engine's parameters
+(oxygen_ros/nodes/fleet.py), checked with every problem listed; then two robots on one engine in one
+process over DDS (a DROID-like arm with 8 action dims, an ALOHA-like one with 14), each on its own
+/<namespace>/oxygen/... interface, while this test process plays both robots' drivers."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from oxygen_ros.nodes.fleet import ParamsFiles, flatten, read_fleet
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------------------ the fleet's parameters
+def test_flatten_names_nested_parameters_as_ros_does():
+    assert flatten({"cameras": {"base": {"topic": "a", "required": True}}, "prompt": "p", "l": [1, 2]}) == {
+        "cameras.base.topic": "a", "cameras.base.required": True, "prompt": "p", "l": [1, 2]}
+
+
+def test_a_robot_takes_its_config_then_the_params_files_section(tmp_path):
+    files = ParamsFiles([write(tmp_path / "fleet.yaml", """
+/**:
+  ros__parameters: {action_rate_hz: 70.0}
+oxygen_engine:
+  ros__parameters:
+    robots: [arm_a, arm_b]
+    arm_a: {robot_config: droid}
+    arm_b: {robot_config: aloha, namespace: cell/arm_b}
+/arm_a/oxygen_action:
+  ros__parameters: {replan_steps: 3}
+""")])
+    robots, problems = read_fleet(["arm_a", "arm_b"], {"arm_a": {"robot_config": "droid"},
+                                                       "arm_b": {"robot_config": "aloha", "namespace": "cell/arm_b"}},
+                                  files)
+    assert problems == []
+    a, b = robots
+    assert (a.name, a.namespace, a.config_file.name) == ("arm_a", "/arm_a", "droid.yaml")
+    assert (b.namespace, b.io.transform, b.io.robot_action_dim) == ("/cell/arm_b", "aloha", 14)
+    assert a.io.robot_action_dim == 8 and a.io.control_period_s == pytest.approx(1 / 15)
+    action = a.parameters("oxygen_action", files)
+    assert action["replan_steps"] == 3                      # the fleet file's section wins...
+    assert action["on_stale"] == "stop" and action["output_type"] == "float64_array"   # ...over droid.yaml
+    assert action["action_rate_hz"] == 70.0
+    assert b.parameters("oxygen_action", files)["replan_steps"] == 25                  # aloha.yaml's own
+    observation = b.parameters("oxygen_observation", files)
+    assert observation["cameras.base_0_rgb.required"] is True and len(observation["joint_names"]) == 14
+    # The model is the fleet engine's: droid.yaml's checkpoint, horizon... are named as not used.
+    assert {"checkpoint", "action_horizon", "model", "norm_stats"} <= set(a.ignored)
+    assert "robot_action_dim" not in a.ignored
+
+
+def test_every_problem_of_a_fleet_is_listed(tmp_path):
+    files = ParamsFiles([write(tmp_path / "fleet.yaml", """
+oxygen_engine:
+  ros__parameters:
+    transform: aloha
+    norm_stats: /somewhere
+    arm_c: {robot_config: droid}
+oxygen_observation:
+  ros__parameters: {prompt: x}
+/arm_z/oxygen_action:
+  ros__parameters: {replan_steps: 3}
+""")])
+    values = {"arm_a": {"robot_config": "droid", "namespace": "/shared"},
+              "arm_b": {"robot_config": "aloha", "namespace": "shared"},
+              "arm_d": {"robot_config": "no_such_robot"},
+              "arm_e": {"robot_config": ""},
+              "arm_f": {"robot_config": "droid", "norm_stats": str(tmp_path / "missing.json")},
+              "arm_g": {"robot_config": "droid", "namespace": "/"},
+              "arm_h": {"robot_config": 5}}
+    names = list(values) + ["arm_a", "bad-name"]
+    robots, problems = read_fleet(names, values, files)
+    expected = [
+        "arm_a and arm_b have the same namespace /shared: each robot needs its own",
+        "arm_d.robot_config: no robot config no_such_robot.yaml in",
+        "arm_e.robot_config is empty: name a robot config",
+        f"arm_f.norm_stats not found: {tmp_path / 'missing.json'}",
+        "arm_g.namespace is '/': every robot of a fleet has a namespace of its own",
+        "arm_h.robot_config = 5: must be a string",
+        "robots lists arm_a twice",
+        "robots: 'bad-name' is not a robot name",
+        "arm_c.robot_config is set but arm_c is not in robots",
+        "oxygen_engine.transform is a robot's setting",
+        "oxygen_engine.norm_stats is a robot's setting",
+        "section oxygen_observation configures no robot of the fleet: name it /<namespace>/oxygen_observation",
+        "section /arm_z/oxygen_action: no robot has the namespace /arm_z",
+    ]
+    for line in expected:
+        assert sum(line in p for p in problems) == 1, (line, problems)
+    assert len(problems) == len(expected), problems
+    assert [r.name for r in robots] == ["arm_a", "arm_b", "arm_f", "arm_g"]   # the others could not be read
+
+
+# ------------------------------------------------------------------------------ refused before anything moves
+def bringup(*args, timeout=180):
+    env = dict(os.environ, ROS_DOMAIN_ID="0", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "oxygen_ros.bringup", *args, "--duration", "1"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_bad_fleet_is_refused_with_every_problem_listed(tmp_path):
+    params = write(tmp_path / "fleet.yaml", """
+oxygen_engine:
+  ros__parameters:
+    model: tiny
+    robots: [arm_a, arm_b, arm_c]
+    arm_a: {robot_config: droid, namespace: /cell}
+    arm_b: {robot_config: aloha, namespace: cell}
+    arm_c: {robot_config: franka_typo}
+    arm_d: {robot_config: droid}
+/arm_x/oxygen_observation:
+  ros__parameters: {prompt: hello}
+""")
+    r = bringup("--params-file", str(params))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "refusing to start, bad parameters" in r.stderr
+    for line in ("arm_a and arm_b have the same namespace /cell: each robot needs its own",
+                 "arm_c.robot_config: no robot config franka_typo.yaml in",
+                 "arm_d.robot_config is set but arm_d is not in robots [arm_a, arm_b, arm_c]: an unknown robot",
+                 "section /arm_x/oxygen_observation: no robot has the namespace /arm_x"):
+        assert line in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_the_fleet_example_starts_and_stops():
+    r = bringup("--params-file", str(REPO / "config" / "fleet_example.yaml"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "serving 2 robots: arm_a (/arm_a, droid.yaml, 8 action dims), arm_b (/arm_b, aloha.yaml, 14 action dims)" in out
+    assert "Traceback" not in out
+
+
+# ------------------------------------------------------------------------------ two robots, one engine, DDS
+FLEET = """
+/**:
+  ros__parameters: {action_rate_hz: 70.0}
+oxygen_engine:
+  ros__parameters:
+    model: tiny
+    checkpoint: ''
+    tokenizer: ''
+    kv_budget_mb: 32.0
+    torch_threads: 1
+    robots: [arm_a, arm_b]
+    arm_a: {robot_config: droid}
+    arm_b: {robot_config: aloha}
+/arm_a/oxygen_observation:
+  ros__parameters:
+    cameras:
+      base_0_rgb: {topic: camera, required: true}
+      left_wrist_0_rgb: {topic: '', required: false}
+    state_topic: joint_states
+/arm_b/oxygen_observation:
+  ros__parameters:
+    cameras:
+      base_0_rgb: {topic: camera, required: true}
+      left_wrist_0_rgb: {topic: ''}
+      right_wrist_0_rgb: {topic: ''}
+    state_topic: joint_states
+/arm_b/oxygen_action:
+  ros__parameters: {output_type: float64_array}
+"""
+B_STAMP_OFFSET_S = 0.002      # B's stamps sit 2 ms before A's: a stamp says whose observation it was
+
+
+class TwoRobots:
+    """Both robots' drivers in this process: a camera and joint states per robot at 20 Hz (the joints of
+    config/droid.yaml and config/aloha.yaml), stamped by this host's clock; `camera_on[robot]` silences one."""
+
+    def __init__(self, node):
+        import yaml
+        from sensor_msgs.msg import Image, JointState
+
+        self.node, self.Image, self.JointState = node, Image, JointState
+        self.joints = {robot: yaml.safe_load((REPO / "config" / f"{cfg}.yaml").read_text())
+                       ["oxygen_observation"]["ros__parameters"]["joint_names"]
+                       for robot, cfg in (("arm_a", "droid"), ("arm_b", "aloha"))}
+        self.camera_on = {"arm_a": True, "arm_b": True}
+        self.stamps = {"arm_a": [], "arm_b": []}
+        self.pubs = {r: (node.create_publisher(Image, f"/{r}/camera", 10),
+                         node.create_publisher(JointState, f"/{r}/joint_states", 10)) for r in self.joints}
+        self.rng = np.random.default_rng(0)
+        node.create_timer(0.05, self._tick)
+
+    def _tick(self):
+        now = self.node.get_clock().now().nanoseconds * 1e-9
+        for robot, (camera, joints) in self.pubs.items():
+            t = now - (B_STAMP_OFFSET_S if robot == "arm_b" else 0.0)
+            stamp = self._stamp(t)
+            if self.camera_on[robot]:
+                image = self.Image(encoding="rgb8", width=64, height=64, step=192,
+                                   data=self.rng.integers(0, 256, 64 * 64 * 3, dtype=np.uint8).tobytes())
+                image.header.stamp = stamp
+                camera.publish(image)
+            state = self.JointState(name=self.joints[robot], position=[0.1] * len(self.joints[robot]))
+            state.header.stamp = stamp
+            joints.publish(state)
+            self.stamps[robot].append(t)
+
+    @staticmethod
+    def _stamp(t: float):
+        from builtin_interfaces.msg import Time
+
+        sec = int(t)
+        return Time(sec=sec, nanosec=int(round((t - sec) * 1e9)))
+
+    def whose(self, stamp) -> list[str]:
+        """The robots that published an observation with this stamp (within 1 µs)."""
+        t = stamp.sec + stamp.nanosec * 1e-9
+        return [r for r, ts in self.stamps.items() if ts and np.min(np.abs(np.array(ts) - t)) < 1e-6]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    from ros_harness import private_domain, running_bringup
+
+    params = write(tmp_path_factory.mktemp("fleet") / "fleet.yaml", FLEET)
+    with running_bringup(["--params-file", str(params), "--status-period", "2"], private_domain(31)) as (b, client):
+        yield b, client, TwoRobots(client.node)
+
+
+def test_each_robot_gets_commands_of_its_own_dims_from_its_own_observations(fleet):
+    from std_msgs.msg import Float64MultiArray
+
+    from oxygen_interfaces.msg import ActionChunk
+    from ros_harness import wait_until
+
+    bringup, client, robots = fleet
+    actions = {r: client.collect(Float64MultiArray, f"/{r}/oxygen/action") for r in ("arm_a", "arm_b")}
+    chunks = {r: client.collect(ActionChunk, f"/{r}/oxygen/action_chunk") for r in ("arm_a", "arm_b")}
+    assert wait_until(lambda: all(len(actions[r]) > 20 and len(chunks[r]) > 2 for r in actions), 90), (
+        {r: len(a) for r, a in actions.items()}, bringup.output()[-3000:])
+    for robot, dim in (("arm_a", 8), ("arm_b", 14)):             # droid.yaml: 8 dims, aloha.yaml: 14
+        for _, m in list(actions[robot]):
+            assert len(m.data) == dim and np.all(np.isfinite(m.data))
+        for _, c in list(chunks[robot]):
+            assert (c.dim, c.horizon) == (dim, 10)                # the shared tiny model's horizon
+            assert robots.whose(c.header.stamp) == [robot], "a chunk computed from another robot's observation"
+    a = np.array([m.data for _, m in list(actions["arm_a"])])
+    assert np.all(a >= -1.0) and np.all(a <= 1.0) and np.all(a[:, 7] >= 0.0), "droid.yaml's limits apply to arm_a"
+    # The single robot's names are not used by a fleet.
+    assert client.node.count_publishers("/oxygen/action") == 0
+    assert client.node.count_publishers("/arm_a/oxygen/action") == 1
+
+
+def test_a_question_to_arm_b_is_answered_from_arm_b_s_frame(fleet):
+    from oxygen_interfaces.srv import Converse
+    from ros_harness import wait_until
+
+    bringup, client, robots = fleet
+    cli = client.node.create_client(Converse, "/arm_b/oxygen/converse")
+    assert cli.wait_for_service(20)
+    assert wait_until(lambda: len(robots.stamps["arm_b"]) > 10, 20)
+    future = cli.call_async(Converse.Request(text="What do you see?", max_tokens=4))
+    assert wait_until(future.done, 60), bringup.output()[-3000:]
+    r = future.result()
+    assert r.success, r.error
+    assert robots.whose(r.frame_stamp) == ["arm_b"], "answered about another robot's camera"
+
+
+@pytest.mark.timing
+def test_a_stale_camera_stops_only_its_robot(fleet):
+    from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+    from std_msgs.msg import Float64MultiArray
+
+    from ros_harness import wait_until
+
+    bringup, client, robots = fleet
+    actions = {r: client.collect(Float64MultiArray, f"/{r}/oxygen/action") for r in ("arm_a", "arm_b")}
+    diagnostics = client.collect(DiagnosticArray, "/diagnostics")
+    assert wait_until(lambda: all(len(a) > 10 for a in actions.values()), 30)
+    robots.camera_on["arm_a"] = False
+    try:
+        time.sleep(2.0)              # stale_after_s 0.5 (droid.yaml's on_stale: stop), with slack for the load
+        since = time.monotonic()
+        time.sleep(2.0)
+        a_late = [t for t, _ in list(actions["arm_a"]) if t > since]
+        b_late = [t for t, _ in list(actions["arm_b"]) if t > since]
+        assert a_late == [], f"arm_a published {len(a_late)} commands with its camera silent"
+        assert len(b_late) > 40, f"arm_b kept publishing: {len(b_late)} commands in 2 s (70 Hz nominal)"
+
+        def newest(name):
+            for _, msg in reversed(list(diagnostics)):
+                for s in msg.status:
+                    if s.name == name:
+                        return s
+            return None
+
+        assert wait_until(lambda: newest("oxygen_ros: arm_a actions") is not None
+                          and newest("oxygen_ros: arm_a actions").message == "inputs stale: actions stopped", 5)
+        assert newest("oxygen_ros: arm_a inputs").level == DiagnosticStatus.ERROR
+        # arm_b plays (or holds, between chunks: aloha.yaml's 50 Hz rows outrun the tiny model's 10-row
+        # chunks on a loaded machine) and is not stopped.
+        actions_b = {kv.key: kv.value for kv in newest("oxygen_ros: arm_b actions").values}
+        assert actions_b["status"] in ("ok", "blending", "hold"), actions_b
+        assert newest("oxygen_ros: arm_b inputs").message == "receiving"
+        engine_b = {kv.key: kv.value for kv in newest("oxygen_ros: arm_b engine").values}
+        assert int(engine_b["chunks"]) > 0 and "deadline_misses" in engine_b
+    finally:
+        robots.camera_on["arm_a"] = True
+    # A's camera back: A's commands resume.
+    back = time.monotonic()
+    assert wait_until(lambda: any(t > back for t, _ in list(actions["arm_a"])), 10)
