@@ -114,16 +114,20 @@ class _Blocks:
 def _report(frame_index, duration, tokens=0, batches=(), fault="", missed=False, prefill=0.0):
     from oxygen_ros.engine.engine import CycleReport
 
+    good = frame_index is not None and not fault
     return CycleReport(frame_index, 0.0, prefill_s=prefill, tokens=tokens, batch_sizes=list(batches),
-                       duration_s=duration, fault=fault, deadline_missed=missed)
+                       duration_s=duration, fault=fault, deadline_missed=missed,
+                       robots=[""] if frame_index is not None else [], chunks=int(good))
 
 
 def test_engine_stats_counts_frames_tokens_and_faults():
     stats = EngineStats(horizon=10, frame_period=0.1, blocks=_Blocks(), window=3)
-    stats.record(_report(0, 0.05, tokens=4, batches=(2, 2), prefill=0.01), 0, 1, 0)
-    stats.record(_report(1, 0.15, tokens=2, batches=(1,), missed=True, prefill=0.03), 1, 1, 2)
-    stats.record(_report(2, 0.2, fault="boom"), 1, 0, 0)
-    stats.record(_report(None, 0.05, tokens=3, batches=(3,)), 1, 0, 0)
+    stats.record(_report(0, 0.05, tokens=4, batches=(2, 2), prefill=0.01), {"": 0}, 1, 0)
+    stats.record(_report(1, 0.15, tokens=2, batches=(1,), missed=True, prefill=0.03), {"": 1}, 1, 2)
+    stats.record(_report(2, 0.2, fault="boom"), {"": 1}, 0, 0)
+    stats.record(_report(None, 0.05, tokens=3, batches=(3,)), {"": 1}, 0, 0)
+    stats.record_chunk("", 0.04, missed=False)
+    stats.record_chunk("", 0.12, missed=True)
     stats.count("faults")
     stats.note_error("boom")
     s = stats.snapshot()
@@ -135,6 +139,9 @@ def test_engine_stats_counts_frames_tokens_and_faults():
     assert s["deadline_misses"] == 1 and s["dropped_frames"] == 1 and s["last_error"] == "boom"
     assert (s["pool_blocks_used"], s["pool_blocks_total"], s["pool_peak_blocks"]) == (3, 10, 7)
     assert s["pool_occupancy"] == pytest.approx(0.3)
+    robot = s["robots"][""]      # per robot: frames taken into cycles, chunks delivered, their latency
+    assert (robot["frames"], robot["chunks"], robot["deadline_misses"], robot["dropped_observations"]) == (3, 2, 1, 1)
+    assert robot["chunk_ms_mean"] == pytest.approx(80.0)
 
 
 def test_engine_stats_of_an_idle_engine_are_zero_not_nan():

@@ -29,6 +29,9 @@ class EngineConfig:
     min_tokens_per_frame: int = setting(1, "Decode steps every active request gets per frame even when late.",
                                         minimum=0)
     max_active_requests: int = setting(32, "Largest decode batch.", minimum=1)
+    max_robots_per_cycle: int = setting(8, "Most robots' frames prefilled and denoised together in one cycle; "
+                                           "more pending wait for the next cycle, earliest deadline first.",
+                                        minimum=1)
     max_queued_requests: int = setting(64, "Requests that may wait for admission; more are refused as busy.",
                                        minimum=0)
     max_tokens_limit: int = setting(256, "Largest max_tokens a request may ask for.", minimum=1)

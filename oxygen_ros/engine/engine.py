@@ -1,12 +1,22 @@
 """The unified-KV engine: one thread owns the device and runs the frame cycle.
 
+Robots: one engine serves N robots (issue #17), each a name with its own policy I/O (cameras, action
+dims, transforms, norm stats: a `FramePreparer` each); the model and the KV pool are shared. The
+single-robot engine is the robot "" (the default of every call).
+
 Frame cycle (policy `oxygen`):
-  1. take the newest observation (older ones were dropped and counted) and prefill it once -> FrameCache;
-  2. action chunk: N flow-matching steps of the expert over that KV (first, so it meets its deadline);
-  3. language (the scheduler): admit queued requests (attach to this frame, prefill their questions on top
-     of its prefix, their first token comes out), then advance every running request together, one batched
-     decode step at a time, whatever frame each is attached to, while the cycle's budget lasts; a cycle
-     without a frame stops at the next step boundary when a new observation arrives;
+  1. take each robot's newest observation (older ones of the same robot were dropped and counted; one
+     robot's frames never displace another's). At most `max_robots_per_cycle` frames per cycle, earliest
+     deadline first (deadline = arrival on the engine clock + the robot's chunk period); the others wait
+     for the next cycle (counted as deferred). Prefill them once, together: ONE model forward -> a
+     FrameCache per robot;
+  2. action chunks: N flow-matching steps of the expert over those KVs, all frames denoised together
+     (first, so they meet their deadlines);
+  3. language (the scheduler): admit queued requests round-robin between owners (each attaches to its
+     owner's frame of this cycle, prefill their questions on top of its prefix, their first token comes
+     out), then advance every running request together, one batched decode step at a time, whatever frame
+     or robot each is attached to, while the cycle's budget lasts; a cycle without a frame stops at the
+     next step boundary when a new observation arrives;
   4. release: the cycle's frame reference is dropped on every path (a `with` block); finished requests
      drop theirs in `Scheduler.finish`.
 The other policies exist for side-by-side runs on the same engine: `isolated` (openpi-style: a separate
@@ -27,7 +37,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -66,6 +76,8 @@ class EngineInfo:
     block_size: int
     max_question_chars: int
     max_queued_requests: int
+    robot: str = ""                # whose policy I/O (action_dim, chunk period) this describes
+    chunk_period_s: float = 0.0    # the robot's frame deadline after its observation arrives
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,7 @@ class ChunkResult:
     model_actions: np.ndarray      # [H, action_dim] the expert's output before un-normalisation
     compute_s: float               # cycle start -> chunk ready (engine clock)
     prompt_truncated: int          # prompt tokens cut to fit the model's max_token_len
+    robot: str = ""                # whose chunk (listeners get every robot's chunks)
 
 
 @dataclass(frozen=True)
@@ -82,11 +95,12 @@ class Caption:
     frame_index: int
     prompt: str
     text: str
+    robot: str = ""                # whose camera the caption describes
 
 
 @dataclass
 class CycleReport:
-    frame_index: int | None
+    frame_index: int | None        # the cycle's first frame (None: a decode-only cycle)
     start: float
     prefill_s: float = 0.0
     action_s: float = 0.0
@@ -100,78 +114,130 @@ class CycleReport:
     deadline_missed: bool = False
     preempted: bool = False        # a decode-only cycle ended early for a new observation
     fault: str = ""
+    robots: list = field(default_factory=list)      # whose frames this cycle computed, in robot order
+    chunks: int = 0                                 # action chunks it delivered
+    deferred: list = field(default_factory=list)    # robots whose pending frame waits for the next cycle
 
 
-class _Mailbox:
-    """Holds the newest observation; a newer one replaces (and counts) an unconsumed older one."""
+@dataclass(frozen=True)
+class _Pending:
+    """An observation waiting for a cycle: its robot's frame must be computed by `deadline` (engine clock)."""
 
-    def __init__(self):
+    obs: object
+    noise: np.ndarray | None
+    deadline: float
+
+
+class _Mailboxes:
+    """One slot per robot holding its newest observation: a newer one replaces (and counts) an unconsumed
+    older one of the same robot; robots never displace each other. One condition for the engine thread."""
+
+    def __init__(self, robots: tuple[str, ...]):
         self._cv = threading.Condition()
-        self._item = None
-        self.dropped = 0
+        self._items: dict[str, _Pending | None] = dict.fromkeys(robots)
+        self.dropped: dict[str, int] = dict.fromkeys(robots, 0)
 
-    def put(self, item) -> None:
+    def put(self, robot: str, item: _Pending) -> None:
         with self._cv:
-            if self._item is not None:
-                self.dropped += 1
-            self._item = item
+            if self._items[robot] is not None:
+                self.dropped[robot] += 1
+            self._items[robot] = item
             self._cv.notify()
 
-    def take(self, timeout: float | None = None):
+    def wait(self, timeout: float) -> None:
         with self._cv:
-            if self._item is None and timeout:
+            if not self.pending:
                 self._cv.wait(timeout)
-            item, self._item = self._item, None
-            return item
+
+    def take_due(self, limit: int) -> tuple[dict[str, _Pending], list[str]]:
+        """The pending observations of at most `limit` robots, earliest deadline first (ties: robot order),
+        in robot order; and the robots left waiting (deferred)."""
+        with self._cv:
+            ready = sorted((item.deadline, i, robot) for i, (robot, item) in enumerate(self._items.items())
+                           if item is not None)
+            chosen = sorted(ready[:limit], key=lambda x: x[1])
+            taken = {robot: self._items[robot] for _, _, robot in chosen}
+            for robot in taken:
+                self._items[robot] = None
+            return taken, [robot for _, _, robot in ready[limit:]]
 
     @property
     def pending(self) -> bool:
-        return self._item is not None
+        return any(item is not None for item in self._items.values())
 
     def wake(self) -> None:
         with self._cv:
             self._cv.notify_all()
 
 
+@dataclass
+class _Frame:
+    """One robot's frame inside a cycle."""
+
+    robot: str
+    index: int
+    prepared: PreparedFrame
+    noise: torch.Tensor
+    deadline: float
+    task: str                                  # the observation's prompt (subtask mode asks about it)
+    cache: FrameCache | None = None
+
+
 class Engine:
-    def __init__(self, runner: ModelRunner, preparer: FramePreparer, tokenizer: Tokenizer,
-                 config: EngineConfig | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, runner: ModelRunner, preparer: FramePreparer | Mapping[str, FramePreparer],
+                 tokenizer: Tokenizer, config: EngineConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        """`preparer`: one robot's (the robot "") or {robot name: its FramePreparer} for a fleet."""
         self.config = config or EngineConfig()
         self.config.validate()
-        self.runner, self.preparer, self.tokenizer = runner, preparer, tokenizer
+        self.preparers: dict[str, FramePreparer] = dict(preparer) if isinstance(preparer, Mapping) else {"": preparer}
+        if not self.preparers or not all(isinstance(r, str) for r in self.preparers):
+            raise ValueError(f"an engine serves one or more robots named by strings, got {list(self.preparers)}")
+        self.robots: tuple[str, ...] = tuple(self.preparers)
+        self.runner, self.tokenizer = runner, tokenizer
+        self.preparer = self.preparers[self.robots[0]]       # the default robot's (robot "" when single)
         self.clock = clock
         self.horizon = runner.cfg.action_horizon
         self.frame_period = self.horizon / self.config.action_rate_hz
         pool = runner.pool
         # Room kept free for the next frame's prefill: actions never starve for KV blocks.
         prefix_blocks = pool.blocks_for(runner.max_prefix_tokens())
-        if pool.num_blocks < 2 * prefix_blocks:
-            raise ValueError(f"KV pool of {pool.num_blocks} blocks cannot hold two frame prefixes of "
-                             f"{prefix_blocks} blocks: raise the KV memory budget")
-        self.stats = EngineStats(self.horizon, self.frame_period, pool.blocks)
-        self.scheduler = Scheduler(self.config, pool.blocks, tokenizer, prefix_blocks, prefix_blocks, self.stats,
-                                   lambda: self.clock())
-        self._mailbox = _Mailbox()
+        per_cycle = min(len(self.robots), self.config.max_robots_per_cycle)
+        if pool.num_blocks < 2 * per_cycle * prefix_blocks:
+            raise ValueError(f"KV pool of {pool.num_blocks} blocks cannot hold two cycles of {per_cycle} frame "
+                             f"prefixes of {prefix_blocks} blocks: raise the KV memory budget")
+        self.stats = EngineStats(self.horizon, self.frame_period, pool.blocks, self.robots)
+        # Admission keeps room for the next cycle's prefills: up to max_robots_per_cycle frames.
+        self.scheduler = Scheduler(self.config, pool.blocks, tokenizer, per_cycle * prefix_blocks, prefix_blocks, self.stats,
+                                   lambda: self.clock(), self.robots)
+        self._mailboxes = _Mailboxes(self.robots)
         self._lock = threading.Lock()                       # guards the listener lists
-        self._latest_chunk: ChunkResult | None = None
+        self._latest_chunks: dict[str, ChunkResult | None] = dict.fromkeys(self.robots)
         self._captions: collections.deque[Caption] = collections.deque(maxlen=self.config.memory_log_size)
         self._chunk_listeners: list[Callable[[ChunkResult], None]] = []
         self._caption_listeners: list[Callable[[Caption], None]] = []
         self._frame_listeners: list[Callable[[int, object], None]] = []
         self._frame_index = 0
-        self._last_memory_frame: int | None = None
-        self._last_memory_time: float | None = None
+        self._last_memory: dict[str, tuple[int, float] | None] = dict.fromkeys(self.robots)  # (frame, time)
         self._subtask_text = ""
-        self._prepared: PreparedFrame | None = None          # the current frame's inputs (isolated policy)
+        self._rows: dict[int, PrefixRow] = {}                # the last frame cycle's inputs (isolated policy)
         self._consecutive_faults = 0
         self.faulted = ""                                   # non-empty: safe stop, reason
         self._start_graphs()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.info = EngineInfo(
-            tuple(runner.cfg.camera_slots), preparer.robot_action_dim, runner.cfg.action_dim, self.horizon, self.config.action_rate_hz,
-            self.frame_period, self.config.policy, runner.backend, runner.graphs is not None, pool.num_blocks,
-            pool.block_size, self.config.max_question_chars, self.config.max_queued_requests)
+        self._infos = {r: EngineInfo(
+            tuple(runner.cfg.camera_slots), p.robot_action_dim, runner.cfg.action_dim, self.horizon,
+            self.config.action_rate_hz, self.frame_period, self.config.policy, runner.backend,
+            runner.graphs is not None, pool.num_blocks, pool.block_size, self.config.max_question_chars,
+            self.config.max_queued_requests, r, self._chunk_period(p)) for r, p in self.preparers.items()}
+        self.info = self._infos[self.robots[0]]
+
+    def _chunk_period(self, preparer: FramePreparer) -> float:
+        """A robot's frame deadline after its observation arrives: the time its chunk covers at its control
+        period (horizon x control_period_s), else the engine's frame period (horizon / action_rate_hz)."""
+        period = preparer.io.control_period_s
+        return self.horizon * period if period > 0 else self.frame_period
 
     def _start_graphs(self) -> None:
         """Fixed-shape steps (graphs.py): captured now on CUDA, not in the middle of a control cycle. When
@@ -197,12 +263,22 @@ class Engine:
         self.stats.graphs = runner.graphs
 
     # ================================================================== caller API (any thread)
-    def submit_observation(self, obs, noise: np.ndarray | None = None) -> None:
-        """Hand over the newest observation (oxygen_ros.robot.sync.Observation). Never blocks."""
-        self._mailbox.put((obs, noise))
+    def submit_observation(self, obs, noise: np.ndarray | None = None, robot: str = "") -> None:
+        """Hand over a robot's newest observation (oxygen_ros.robot.sync.Observation); it replaces that
+        robot's unconsumed older one (counted as dropped). Never blocks. ValueError for an unknown robot."""
+        self._mailboxes.put(self._robot(robot), _Pending(obs, noise, self.clock() + self._infos[robot].chunk_period_s))
 
-    def latest_chunk(self) -> ChunkResult | None:
-        return self._latest_chunk
+    def latest_chunk(self, robot: str = "") -> ChunkResult | None:
+        return self._latest_chunks[self._robot(robot)]
+
+    def robot_info(self, robot: str = "") -> EngineInfo:
+        """What a node may know about one robot's side of the engine (action_dim etc. are per robot)."""
+        return self._infos[self._robot(robot)]
+
+    def _robot(self, robot: str) -> str:
+        if robot not in self._infos:
+            raise ValueError(f"unknown robot {robot!r}: this engine serves {list(self.robots)}")
+        return robot
 
     def add_chunk_listener(self, fn: Callable[[ChunkResult], None]) -> None:
         """fn(chunk) runs on the engine thread for every new chunk: it must return at once. An exception
@@ -236,7 +312,7 @@ class Engine:
         if self.faulted:
             return refused(request, f"engine stopped after repeated faults: {self.faulted}", self.clock())
         handle = self.scheduler.submit(request)
-        self._mailbox.wake()
+        self._mailboxes.wake()
         return handle
 
     def start(self) -> None:
@@ -257,7 +333,7 @@ class Engine:
         loop beside it."""
         self.scheduler.close("engine stopped")
         self._stop.set()
-        self._mailbox.wake()
+        self._mailboxes.wake()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -282,7 +358,8 @@ class Engine:
 
     @property
     def mailbox_dropped(self) -> int:
-        return self._mailbox.dropped
+        """Observations replaced by a newer one of the same robot before a cycle took them (all robots)."""
+        return sum(self._mailboxes.dropped.values())
 
     @property
     def subtask_text(self) -> str:
@@ -301,91 +378,169 @@ class Engine:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                item = self._mailbox.take(timeout=self.frame_period)
+                self._mailboxes.wait(timeout=self.frame_period)
                 if self._stop.is_set():
                     break
-                if item is None and not self.scheduler.has_work:
+                if not self._mailboxes.pending and not self.scheduler.has_work:
                     continue
                 try:
-                    self.run_cycle(*(item or (None, None)))
-                except Exception:  # the loop must survive anything; run_cycle already reported it
+                    self.run_frames()
+                except Exception:  # the loop must survive anything; run_frames already reported it
                     log.exception("engine cycle failed")
         finally:
             self.scheduler.fail_all("engine stopped")
 
-    def run_cycle(self, obs=None, noise: np.ndarray | None = None) -> CycleReport:
-        """One frame cycle (a decode-only cycle when obs is None). Public so the benchmark and tests can
-        drive the engine synchronously, without its thread."""
+    def run_cycle(self, obs=None, noise: np.ndarray | None = None, robot: str = "") -> CycleReport:
+        """One frame cycle for one robot's observation (a decode-only cycle when obs is None and nothing is
+        pending). Public so the benchmark and tests can drive the engine synchronously, without its thread."""
+        if obs is None:
+            return self.run_frames()
+        return self.run_frames({robot: obs}, None if noise is None else {robot: noise})
+
+    def run_frames(self, observations: Mapping[str, object] | None = None,
+                   noise: Mapping[str, np.ndarray] | None = None) -> CycleReport:
+        """One cycle over several robots' observations ({robot: obs}, optional {robot: noise}), together
+        with what is pending in the mailboxes (the engine thread passes nothing and takes those): the
+        frames of at most max_robots_per_cycle robots, earliest deadline first, are prefilled in one
+        forward and denoised together; the others stay pending for the next cycle (counted as deferred).
+        Synchronous: the benchmark and tests drive the engine with it."""
         start = self.clock()
+        observations, noise = dict(observations or {}), dict(noise or {})
+        unknown = [r for r in list(observations) + list(noise) if r not in self._infos]
+        if unknown:
+            raise ValueError(f"unknown robots {unknown}: this engine serves {list(self.robots)}")
+        for robot, obs in observations.items():
+            self._mailboxes.put(robot, _Pending(obs, noise.get(robot), start + self._infos[robot].chunk_period_s))
         report = CycleReport(None, start)
         self.scheduler.expire(start)
-        with contextlib.ExitStack() as cycle:       # the cycle's frame reference, released on every path
-            frame = None
-            if obs is not None and not self.faulted:
-                frame = self._frame(obs, noise, report, cycle)
-            if frame is not None or self.scheduler.has_work:
-                self._language(frame, report)
+        due, report.deferred = self._mailboxes.take_due(len(self.robots) if self.faulted
+                                                        else self.config.max_robots_per_cycle)
+        for robot in report.deferred:
+            self.stats.count_robot(robot, "deferred")
+        with contextlib.ExitStack() as cycle:       # the cycle's frame references, released on every path
+            frames = {}
+            if due and not self.faulted:
+                frames = self._frames(due, report, cycle)
+            if frames or self.scheduler.has_work:
+                self._language(frames, report)
         report.duration_s = self.clock() - start
-        report.deadline_missed = obs is not None and report.duration_s > self.frame_period
-        self.stats.record(report, self.mailbox_dropped, self.active_requests, self.queued_requests)
+        report.deadline_missed = bool(due) and report.duration_s > self.frame_period
+        self.stats.record(report, dict(self._mailboxes.dropped), self.active_requests, self.queued_requests)
         return report
 
-    # ------------------------------------------------------------------ frame: prefill + actions
-    def _frame(self, obs, noise, report: CycleReport, cycle: contextlib.ExitStack) -> FrameCache | None:
-        index = self._frame_index
-        self._frame_index += 1
-        report.frame_index = index
+    # ------------------------------------------------------------------ frames: prefill + actions
+    def _frames(self, due: dict[str, _Pending], report: CycleReport,
+                cycle: contextlib.ExitStack) -> dict[str, FrameCache]:
+        """Prepare each robot's observation, prefill them in one forward, denoise their chunks together,
+        deliver the chunks. Returns {robot: frame} of the frames that succeeded (the cycle holds them)."""
+        work: list[_Frame] = []
+        for robot, pending in due.items():
+            frame = self._prepare(robot, pending)
+            if frame is not None:
+                work.append(frame)
+        if not work:
+            return {}
+        report.frame_index, report.robots = work[0].index, [f.robot for f in work]
+        faults: list[tuple[_Frame, str]] = []      # frames discarded, and why
+        t = self.clock()
         try:
-            prepared = self.preparer.prepare(obs)
-            noise_t = self.frame_noise(index) if noise is None else \
-                torch.as_tensor(np.asarray(noise), dtype=torch.float32)
-        except InputError as e:
-            report.frame_index = None          # no frame was computed: not counted as one
-            self.stats.count("bad_observations")
-            self.stats.note_error(f"observation rejected: {e}")
-            log.warning("frame %d: observation rejected: %s", index, e)
-            return None
-        self._notify(self._frame_listeners, index, obs)
-        try:
-            t = self.clock()
             if self.config.subtask:
-                prepared = self._with_subtask(prepared, obs.prompt, index)
-            self._prepared = prepared
-            frame = cycle.enter_context(self.runner.prefill(prepared.row, index, prepared.stamp))
+                work = [f for f in work if self._subtask_frame(f, faults)]
+            self._rows = {f.index: f.prepared.row for f in work}
+            caches = self.runner.prefill([f.prepared.row for f in work], [f.index for f in work],
+                                         [f.prepared.stamp for f in work]) if work else []
+            good = []
+            for f, cache in zip(work, caches):
+                if isinstance(cache, EngineFault):
+                    faults.append((f, str(cache)))
+                else:
+                    f.cache = cycle.enter_context(cache)
+                    good.append(f)
             report.prefill_s = self.clock() - t
             t = self.clock()
-            model_actions = self.runner.actions(frame, noise_t, self.config.denoise_steps)
-            robot_actions = self.preparer.robot_actions(model_actions, prepared)
-            # Rows are one control period apart (the rate the checkpoint was trained at); 0: one per publish tick.
-            step_s = self.preparer.io.control_period_s or 1.0 / self.config.action_rate_hz
-            plan = ActionChunkPlan(robot_actions, prepared.stamp, step_s, index)
+            chunks = []
+            if good:
+                noise = torch.stack([f.noise for f in good])
+                for f, actions in zip(good, self.runner.actions([f.cache for f in good], noise,
+                                                                self.config.denoise_steps)):
+                    if isinstance(actions, EngineFault):
+                        faults.append((f, str(actions)))
+                        continue
+                    try:
+                        chunks.append((f, self._chunk(f, actions, report.start)))
+                    except Exception as e:  # noqa: BLE001 - the robot's output transform failed: this frame only
+                        faults.append((f, f"{type(e).__name__}: {e}"))
             report.action_s = self.clock() - t
-        except Exception as e:  # noqa: BLE001 - any failure of the frame's computation is a fault
+        except Exception as e:  # noqa: BLE001 - any failure of the frames' computation is a fault
             # NaN/inf (EngineFault), PoolExhausted (cannot happen while the reserve holds), device errors,
-            # injected faults: the chunk is discarded, the publisher keeps its safe behaviour.
-            self._fault(index, f"{type(e).__name__}: {e}", report)
+            # injected faults: the chunks are discarded, the publishers keep their safe behaviour.
+            for f in work:
+                self._fault(f.robot, f.index, f"{type(e).__name__}: {e}", report)
+            return {}
+        for f, message in faults:
+            self._fault(f.robot, f.index, message, report)
+        if not chunks or self.faulted:
+            return {}
+        self._consecutive_faults = 0       # a cycle that delivers a chunk ends a run of faults
+        for f, chunk in chunks:
+            self._deliver(f, chunk)
+        report.chunks = len(chunks)
+        return {f.robot: f.cache for f, _ in chunks}
+
+    def _prepare(self, robot: str, pending: _Pending) -> _Frame | None:
+        """A robot's observation -> model inputs, or None (a bad observation, counted)."""
+        index = self._frame_index
+        self._frame_index += 1
+        try:
+            prepared = self.preparers[robot].prepare(pending.obs)
+            noise = self.frame_noise(index) if pending.noise is None else \
+                torch.as_tensor(np.asarray(pending.noise), dtype=torch.float32)
+        except InputError as e:
+            self.stats.count("bad_observations")
+            self.stats.count_robot(robot, "bad_observations")
+            self.stats.note_error(f"observation rejected{_of(robot)}: {e}")
+            log.warning("frame %d%s: observation rejected: %s", index, _of(robot), e)
             return None
-        self._consecutive_faults = 0
-        chunk = ChunkResult(plan, model_actions, self.clock() - report.start, prepared.prompt_truncated)
-        if prepared.prompt_truncated:
+        self._notify(self._frame_listeners, index, pending.obs)
+        return _Frame(robot, index, prepared, noise, pending.deadline, pending.obs.prompt)
+
+    def _chunk(self, f: _Frame, model_actions: np.ndarray, start: float) -> ChunkResult:
+        robot_actions = self.preparers[f.robot].robot_actions(model_actions, f.prepared)
+        # Rows are one control period apart (the rate the checkpoint was trained at); 0: one per publish tick.
+        step_s = self.preparers[f.robot].io.control_period_s or 1.0 / self.config.action_rate_hz
+        plan = ActionChunkPlan(robot_actions, f.prepared.stamp, step_s, f.index)
+        return ChunkResult(plan, model_actions, self.clock() - start, f.prepared.prompt_truncated, f.robot)
+
+    def _deliver(self, f: _Frame, chunk: ChunkResult) -> None:
+        now = self.clock()
+        if chunk.prompt_truncated:
             self.stats.count("prompts_truncated")
-        self._latest_chunk = chunk
+        self.stats.record_chunk(f.robot, chunk.compute_s, now > f.deadline)
+        self._latest_chunks[f.robot] = chunk
         self._notify(self._chunk_listeners, chunk)
         try:
-            self._maybe_caption(index, report.start)
+            self._maybe_caption(f.robot, f.index, now)
         except Exception as e:  # noqa: BLE001 - a caption is optional; the frame and its chunk are not
             self.stats.count("captions_failed")
-            self.stats.note_error(f"frame {index}: caption not requested: {e}")
+            self.stats.note_error(f"frame {f.index}: caption not requested: {e}")
             log.exception("caption request failed")
-        return frame
 
-    def _with_subtask(self, prepared: PreparedFrame, task: str, index: int) -> PreparedFrame:
+    def _subtask_frame(self, f: _Frame, faults: list) -> bool:
+        try:
+            f.prepared = self._with_subtask(f.robot, f.prepared, f.task, f.index)
+            return True
+        except Exception as e:  # noqa: BLE001 - this frame only
+            faults.append((f, f"{type(e).__name__}: {e}"))
+            return False
+
+    def _with_subtask(self, robot: str, prepared: PreparedFrame, task: str, index: int) -> PreparedFrame:
         """π0.5 subtask mode: greedy subtask text from the frame, then the action prompt conditioned on it."""
         c = self.config
-        prompt = self.preparer.prompt_tokens(c.subtask_template.format(task=task))[:self.runner.cfg.max_token_len]
+        preparer = self.preparers[robot]
+        prompt = preparer.prompt_tokens(c.subtask_template.format(task=task))[:self.runner.cfg.max_token_len]
         row = PrefixRow(prepared.row.images, torch.tensor(prompt, dtype=torch.long))
         blocks = self.runner.pool.blocks
-        with self.runner.prefill(row, index, prepared.stamp) as frame:
+        with self.runner.prefill_one(row, index, prepared.stamp) as frame:
             own = blocks.allocate(max(1, blocks.blocks_for(c.subtask_max_tokens - 1)))
             try:
                 logits, tokens = self.runner.frame_logits(frame), []
@@ -402,18 +557,19 @@ class Engine:
             finally:
                 blocks.decref(own)
         self._subtask_text = self.tokenizer.decode(tokens).strip()
-        return self.preparer.retokenize(prepared, c.action_task_template.format(task=task, subtask=self._subtask_text))
+        return preparer.retokenize(prepared, c.action_task_template.format(task=task, subtask=self._subtask_text))
 
-    def _fault(self, index: int, message: str, report: CycleReport) -> None:
+    def _fault(self, robot: str, index: int, message: str, report: CycleReport) -> None:
         self._consecutive_faults += 1
-        report.fault = message
+        report.fault = f"{report.fault}; {message}" if report.fault else message
         self.stats.count("faults")
-        self.stats.note_error(f"frame {index}: {message}")
-        log.error("frame %d discarded: %s", index, message)
-        if self._consecutive_faults >= self.config.max_consecutive_faults:
+        self.stats.count_robot(robot, "faults")
+        self.stats.note_error(f"frame {index}{_of(robot)}: {message}")
+        log.error("frame %d%s discarded: %s", index, _of(robot), message)
+        if self._consecutive_faults >= self.config.max_consecutive_faults and not self.faulted:
             self.faulted = f"{self._consecutive_faults} consecutive faulty frames, last: {message}"
             log.error("engine safe stop: %s", self.faulted)
-            self._latest_chunk = None
+            self._latest_chunks = dict.fromkeys(self.robots)
             self.scheduler.fail_all(f"engine stopped after repeated faults: {message}")
 
     def _notify(self, listeners: list, *args) -> None:
@@ -426,32 +582,33 @@ class Engine:
                 self.stats.count("listener_errors")
                 log.exception("engine listener raised")
 
-    def _maybe_caption(self, index: int, now: float) -> None:
+    def _maybe_caption(self, robot: str, index: int, now: float) -> None:
+        """Each robot's scene captions follow the memory settings on its own frames."""
         c = self.config
-        due = (c.memory_every_frames and (self._last_memory_frame is None
-                                          or index - self._last_memory_frame >= c.memory_every_frames)) or \
-              (c.memory_period_s and (self._last_memory_time is None
-                                      or now - self._last_memory_time >= c.memory_period_s))
+        last = self._last_memory[robot]
+        due = (c.memory_every_frames and (last is None or index - last[0] >= c.memory_every_frames)) or \
+              (c.memory_period_s and (last is None or now - last[1] >= c.memory_period_s))
         if not due:
             return
-        self._last_memory_frame, self._last_memory_time = index, now
-        handle = self.submit(TextRequest(c.memory_prompt, max_tokens=c.memory_max_tokens, kind="memory"))
-        handle.add_done_callback(self._on_caption)
+        self._last_memory[robot] = (index, now)
+        handle = self.submit(TextRequest(c.memory_prompt, max_tokens=c.memory_max_tokens, kind="memory",
+                                         owner=robot))
+        handle.add_done_callback(lambda reply: self._on_caption(robot, reply))
 
-    def _on_caption(self, reply: Reply) -> None:
+    def _on_caption(self, robot: str, reply: Reply) -> None:
         if not reply.success:
             self.stats.count("captions_failed")
             return
-        caption = Caption(reply.frame_stamp, reply.frame_index, self.config.memory_prompt, reply.text)
+        caption = Caption(reply.frame_stamp, reply.frame_index, self.config.memory_prompt, reply.text, robot)
         self._captions.append(caption)
         self._notify(self._caption_listeners, caption)
 
     # ------------------------------------------------------------------ language
-    def _language(self, frame: FrameCache | None, report: CycleReport) -> None:
+    def _language(self, frames: dict[str, FrameCache], report: CycleReport) -> None:
         sched = self.scheduler
         t = self.clock()
-        if frame is not None:
-            admitted = self._admit(frame, report)
+        if frames:
+            admitted = self._admit(frames, report)
             if self.config.policy != "oxygen":
                 # Decode each admitted reply to completion inside the frame, one request at a time.
                 report.admit_s = self.clock() - t
@@ -469,7 +626,7 @@ class Engine:
             batch = sched.decode_batch()
             if not sched.budget.another_step(steps, self.clock(), deadline, len(batch)):
                 break
-            if frame is None and self._mailbox.pending:
+            if not frames and self._mailboxes.pending:
                 report.preempted = True        # a new frame is waiting: actions first
                 break
             s = self.clock()
@@ -480,12 +637,13 @@ class Engine:
 
     def _attach(self, frame: FrameCache) -> FrameCache:
         if self.config.policy == "isolated":   # openpi-style: the request gets its own prefill of the frame
-            return self.runner.prefill(self._prepared.row, frame.frame_index, frame.stamp)
+            return self.runner.prefill_one(self._rows[frame.frame_index], frame.frame_index, frame.stamp)
         return frame.retain()
 
-    def _admit(self, frame: FrameCache, report: CycleReport) -> list[Sequence]:
-        """Admit what fits, prefill the questions in one batched forward and sample the first tokens."""
-        admitted = self.scheduler.admit(frame, self._attach)
+    def _admit(self, frames: dict[str, FrameCache], report: CycleReport) -> list[Sequence]:
+        """Admit what fits (each request to its owner's frame), prefill the questions in one batched forward
+        and sample the first tokens."""
+        admitted = self.scheduler.admit(frames, self._attach)
         if not admitted:
             return []
         report.admitted += len(admitted)
@@ -519,6 +677,11 @@ class Engine:
         report.decode_steps += 1
         report.batch_sizes.append(len(batch))
         report.tokens += self.scheduler.postprocess(batch, [1] * len(batch), logits)
+
+
+def _of(robot: str) -> str:
+    """" of robot 'name'" in messages, nothing for the single robot ""."""
+    return f" of robot {robot!r}" if robot else ""
 
 
 def _graphs_by_default(runner: ModelRunner) -> bool:

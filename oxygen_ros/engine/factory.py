@@ -1,8 +1,9 @@
 """Build an Engine from user-level choices: a model preset or config file, an optional checkpoint,
-tokenizer and norm stats, the device. The one place that wires model, pool, runner and engine together
+tokenizer and norm stats, the device, and the robot(s) it serves (each its policy I/O and norm stats). The one place that wires model, pool, runner and engine together
 (the bringup, the benchmark and the tests all come through here)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -46,12 +47,21 @@ def build_model(cfg: Pi05Config, checkpoint: str | None = None, device: str = "c
 
 
 def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = None,
-                 tokenizer: str | None = None, norm_stats: str | None = None, asset_id: str | None = None,
+                 tokenizer: str | None = None, norm_stats: str | Mapping[str, str | None] | None = None,
+                 asset_id: str | Mapping[str, str | None] | None = None,
                  engine: EngineConfig | None = None, device: str = "cpu", dtype: torch.dtype | None = None,
                  kv_budget_mb: float = 256.0, block_size: int = 16, backend: str | None = None,
-                 robot_io: RobotIOConfig | None = None, state_in_prompt: bool = True, seed: int = 0,
+                 robot_io: RobotIOConfig | None = None, robots: Mapping[str, RobotIOConfig] | None = None,
+                 state_in_prompt: bool = True, seed: int = 0,
                  built_model: Pi05 | None = None, **config_overrides) -> Engine:
+    """`robots`: {name: its RobotIOConfig} for an engine serving several robots (issue #17; the model and
+    the KV pool are shared); without it the engine serves one robot, "", with `robot_io`. `norm_stats` and
+    `asset_id`: one source for every robot, or {robot: source} (None: identity) — a fleet may mix
+    embodiments, each with its own norm_stats.json. Every problem is listed before refusing."""
     from oxygen_ros.model.attention import default_backend
+
+    robots = _robots(robot_io, robots)
+    norm_sources = _per_robot(robots, norm_stats=norm_stats, asset_id=asset_id)
 
     if built_model is not None and config_overrides:
         # They would be ignored: the built model has its config (a misspelt keyword must not vanish either).
@@ -64,9 +74,47 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
     net = built_model if built_model is not None else build_model(cfg, checkpoint, device, dtype, seed)
     backend = backend or default_backend(net.device)
     net.backend = backend
-    norm = Normalizer.load(norm_stats, asset_id) if norm_stats else Normalizer.identity()
     pool = KVPool.from_budget(int(kv_budget_mb * 2**20), cfg.vlm.depth, cfg.vlm.num_kv_heads, cfg.vlm.head_dim,
                               block_size, net.dtype, net.device)
-    io = PolicyIO(robot_io or RobotIOConfig(), norm, cfg.action_dim, cfg.vision.image_size)
-    preparer = FramePreparer(cfg, tok, io, state_in_prompt)
-    return Engine(ModelRunner(net, pool, backend), preparer, tok, engine or EngineConfig())
+    preparers = {}
+    for name, io_cfg in robots.items():
+        stats, asset = norm_sources["norm_stats"][name], norm_sources["asset_id"][name]
+        norm = Normalizer.load(stats, asset) if stats else Normalizer.identity()
+        io = PolicyIO(io_cfg, norm, cfg.action_dim, cfg.vision.image_size)
+        preparers[name] = FramePreparer(cfg, tok, io, state_in_prompt)
+    return Engine(ModelRunner(net, pool, backend), preparers, tok, engine or EngineConfig())
+
+
+def _robots(robot_io: RobotIOConfig | None, robots: Mapping[str, RobotIOConfig] | None) -> dict[str, RobotIOConfig]:
+    if robots is None:
+        return {"": robot_io or RobotIOConfig()}
+    problems = []
+    if robot_io is not None:
+        problems.append("give robot_io (one robot) or robots (several), not both")
+    if not isinstance(robots, Mapping) or not robots:
+        problems.append(f"robots must be a non-empty mapping name -> RobotIOConfig, got {robots!r}")
+    else:
+        problems += [f"robot name {name!r} must be text" for name in robots if not isinstance(name, str)]
+        problems += [f"robot {name!r}: expected a RobotIOConfig, got {type(c).__name__}"
+                     for name, c in robots.items() if not isinstance(c, RobotIOConfig)]
+    if problems:
+        raise ValueError("build_engine: " + "; ".join(problems))
+    return dict(robots)
+
+
+def _per_robot(robots: dict[str, RobotIOConfig], **sources) -> dict[str, dict[str, str | None]]:
+    """Each source (one value for every robot, or {robot: value}) as {robot: value}."""
+    out, problems = {}, []
+    for key, value in sources.items():
+        if isinstance(value, Mapping):
+            missing, unknown = [r for r in robots if r not in value], [r for r in value if r not in robots]
+            if missing:
+                problems.append(f"{key} names no source for robots {missing} (give None for identity)")
+            if unknown:
+                problems.append(f"{key} names robots {unknown} this engine does not serve {list(robots)}")
+            out[key] = {r: value.get(r) for r in robots}
+        else:
+            out[key] = dict.fromkeys(robots, value)
+    if problems:
+        raise ValueError("build_engine: " + "; ".join(problems))
+    return out

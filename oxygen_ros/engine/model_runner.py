@@ -59,29 +59,55 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ frames
     @torch.inference_mode()
-    def prefill(self, row: PrefixRow, frame_index: int, stamp: float) -> FrameCache:
-        """Prefill one frame into fresh pool blocks; the returned handle holds the caller's reference."""
-        n = self.model.prefix_length(row)
-        blocks = self.pool.blocks.allocate(self.pool.blocks_for(n))
+    def prefill(self, rows: list[PrefixRow], frame_indices: list[int], stamps: list[float]) -> list[FrameCache | EngineFault]:
+        """Prefill several frames (one per robot) in ONE forward into fresh pool blocks. Each good frame's
+        handle holds the caller's reference; a row whose values are not finite comes back as an EngineFault
+        with its blocks released (rows never mix in the model, so the others stay good). On an exception
+        every block taken here is released."""
+        lengths = [self.model.prefix_length(r) for r in rows]
+        taken: list[tuple[int, ...]] = []
         try:
-            cached = CachedRow(n_new=n, own=Segment(blocks, n), bidir=self.model.prefix_bidir(row))
-            hidden = self.model.prefill([row], CachedAttention(self.pool.kv, [cached], self.backend,
-                                                               self.model.device))
-            if not torch.isfinite(hidden).all():
-                raise EngineFault(f"frame {frame_index}: prefill produced non-finite values")
+            for n in lengths:
+                taken.append(self.pool.blocks.allocate(self.pool.blocks_for(n)))
+            cached = [CachedRow(n_new=n, own=Segment(b, n), bidir=self.model.prefix_bidir(r))
+                      for r, n, b in zip(rows, lengths, taken)]
+            hidden = self.model.prefill(rows, CachedAttention(self.pool.kv, cached, self.backend, self.model.device))
+            finite = torch.isfinite(hidden).all(dim=-1).tolist()
         except BaseException:
-            self.pool.blocks.decref(blocks)
+            for b in taken:
+                self.pool.blocks.decref(b)
             raise
-        return FrameCache(self.pool, cached.own, frame_index, stamp, hidden[0])
+        out: list[FrameCache | EngineFault] = []
+        for i, (c, index, stamp) in enumerate(zip(cached, frame_indices, stamps)):
+            if finite[i]:
+                out.append(FrameCache(self.pool, c.own, index, stamp, hidden[i]))
+            else:
+                self.pool.blocks.decref(c.own.blocks)
+                out.append(EngineFault(f"frame {index}: prefill produced non-finite values"))
+        return out
+
+    def prefill_one(self, row: PrefixRow, frame_index: int, stamp: float) -> FrameCache:
+        """One frame (a request's own prefill in the isolated policy, the subtask text); raises EngineFault."""
+        (frame,) = self.prefill([row], [frame_index], [stamp])
+        if isinstance(frame, EngineFault):
+            raise frame
+        return frame
 
     @torch.inference_mode()
-    def actions(self, frame: FrameCache, noise: torch.Tensor, steps: int | None = None) -> np.ndarray:
-        """Model-space action chunk [H, action_dim] of a frame (float32)."""
-        x = self._denoise(frame.segment, noise.reshape(1, *noise.shape[-2:]), steps or self.cfg.num_denoise_steps)
-        x = x[0].cpu().numpy()
-        if not np.all(np.isfinite(x)):
-            raise EngineFault(f"frame {frame.frame_index}: the action expert produced non-finite actions")
-        return x
+    def actions(self, frames: list[FrameCache], noise: torch.Tensor, steps: int | None = None) -> list[np.ndarray | EngineFault]:
+        """Model-space action chunks [H, action_dim] (float32) of several frames, denoised together (noise
+        [R, H, action_dim], one row per frame). A chunk with non-finite values comes back as an EngineFault."""
+        steps = steps or self.cfg.num_denoise_steps
+        if len(frames) == 1:
+            x = self._denoise(frames[0].segment, noise.reshape(1, *noise.shape[-2:]), steps)
+        else:   # the fixed-shape (graph) loops are batch 1: several frames run the eager batched loop
+            attn = ActionAttention(self.pool.kv, [f.segment for f in frames], noise.shape[-2], self.backend,
+                                   self.model.device)
+            x = self.model.sample_actions(noise, attn, steps)
+        x = x.cpu().numpy()
+        return [x[i] if np.all(np.isfinite(x[i])) else
+                EngineFault(f"frame {f.frame_index}: the action expert produced non-finite actions")
+                for i, f in enumerate(frames)]
 
     def _denoise(self, prefix: Segment, noise: torch.Tensor, steps: int) -> torch.Tensor:
         loop = self.graphs.denoise_loop_for(prefix, noise.shape[-2], steps) if self.graphs is not None else None

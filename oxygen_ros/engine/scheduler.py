@@ -12,6 +12,12 @@ The decode budget (`DecodeBudget`):
   (the frame period after the cycle started: the next action chunk is due then), with at least
   `min_steps` per cycle so that every active request makes progress even when the frame is late.
 Step times are predicted from measurements per batch size (exponential moving average).
+
+Robots (issue #17): a request's `owner` is the robot whose camera it asks about; admission attaches it to
+that robot's frame of the current cycle (a robot without a frame this cycle keeps its requests queued).
+Owner "" means the engine's only robot; an engine serving several robots refuses owner "" unless one of
+them is named "" (a caller must say which robot it asks about). Admission round-robins between owners,
+continuing after the owner served last, so one robot's burst cannot starve another's replies.
 """
 from __future__ import annotations
 
@@ -70,9 +76,10 @@ class DecodeBudget:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager, tokenizer: Tokenizer, reserve_blocks: int,
-                 prefix_blocks: int, stats: EngineStats, clock: Callable[[], float]):
+                 prefix_blocks: int, stats: EngineStats, clock: Callable[[], float], robots: tuple[str, ...] = ("",)):
         self.config, self.blocks, self.tokenizer, self.stats, self.clock = config, blocks, tokenizer, stats, clock
-        self.reserve_blocks = reserve_blocks          # kept free for the next frame's prefill
+        self.robots = robots
+        self.reserve_blocks = reserve_blocks          # kept free for the next cycle's prefills
         # isolated policy: each request also prefills its own copy of the frame
         self.request_prefix_blocks = prefix_blocks if config.policy == "isolated" else 0
         self.budget = DecodeBudget(config.decode_budget, config.tokens_per_frame, config.min_tokens_per_frame)
@@ -80,6 +87,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._lock = threading.Lock()                  # guards waiting and closed (submit runs on any thread)
         self.closed = ""                               # non-empty: new requests are refused with this reason
+        self._last_owner: str | None = None            # round-robin position of admission
 
     # ------------------------------------------------------------------ any thread
     def submit(self, request: TextRequest) -> RequestHandle:
@@ -124,6 +132,7 @@ class Scheduler:
             raise ValueError(f"max_tokens must be in 1..{c.max_tokens_limit}, got {r.max_tokens!r}")
         if not isinstance(r.timeout_s, (int, float)) or not 0 < r.timeout_s <= c.max_timeout_s:
             raise ValueError(f"timeout_s must be in (0, {c.max_timeout_s:g}] seconds, got {r.timeout_s!r}")
+        owner = self._owner(r.owner)
         if not isinstance(r.stop, (tuple, list)) or len(r.stop) > c.max_stop_strings:
             raise ValueError(f"at most {c.max_stop_strings} stop strings, got "
                              f"{len(r.stop) if isinstance(r.stop, (tuple, list)) else type(r.stop).__name__}")
@@ -131,10 +140,23 @@ class Scheduler:
             if not isinstance(s, str) or len(s) > c.max_stop_chars:
                 raise ValueError(f"stop strings must be text of at most {c.max_stop_chars} characters, got "
                                  f"{type(s).__name__} of length {len(s) if isinstance(s, str) else '?'}")
-        if text != r.text or isinstance(r.stop, list):
+        if text != r.text or isinstance(r.stop, list) or owner != r.owner:
             from dataclasses import replace
-            r = replace(r, text=text, stop=tuple(r.stop))
+            r = replace(r, text=text, stop=tuple(r.stop), owner=owner)
         return self.tokenizer.encode(c.question_template.format(text=text)), r
+
+    def _owner(self, owner) -> str:
+        """The robot a request is about (see the module docstring)."""
+        if not isinstance(owner, str):
+            raise ValueError(f"owner must be a robot name (text), got {type(owner).__name__}")
+        if owner in self.robots:
+            return owner
+        if owner == "" and len(self.robots) == 1:
+            return self.robots[0]
+        if owner == "":
+            raise ValueError(f"owner is empty but this engine serves several robots {list(self.robots)}: "
+                             "say which robot's camera the request is about")
+        raise ValueError(f"owner {owner!r} is not a robot of this engine {list(self.robots)}")
 
     def own_blocks(self, question_tokens: int, max_tokens: int) -> int:
         # The last sampled token is never fed back, so a reply of max_tokens stores max_tokens - 1 tokens.
@@ -168,16 +190,18 @@ class Scheduler:
         elif now - seq.handle.submitted_at > seq.request.timeout_s:
             self.finish(seq, "timeout", f"timed out after {seq.request.timeout_s:g} s{where}")
 
-    def admit(self, frame: FrameCache, attach: Callable[[FrameCache], FrameCache]) -> list[Sequence]:
-        """Attach waiting sequences to this frame while there is room: the batch cap, and KV blocks beyond
-        the reserve. One that does not fit now stays queued without blocking smaller ones behind it (none
-        waits for ever: what can never fit was refused at submit, and timeouts are bounded).
-        `attach(frame)` gives a sequence its frame reference (a retain, or its own prefill)."""
+    def admit(self, frames: dict[str, FrameCache], attach: Callable[[FrameCache], FrameCache]) -> list[Sequence]:
+        """Attach waiting sequences to their owner's frame ({robot: frame} of this cycle) while there is
+        room: the batch cap, and KV blocks beyond the reserve. Owners take turns (round-robin, starting
+        after the owner served last); within an owner, first come first served. One that does not fit now
+        stays queued without blocking smaller ones behind it (none waits for ever: what can never fit was
+        refused at submit, and timeouts are bounded). `attach(frame)` gives a sequence its frame reference
+        (a retain, or its own prefill)."""
         admitted: list[Sequence] = []
         with self._lock:
             candidates = list(self.waiting)
         waited = False
-        for seq in candidates:
+        for seq in self._round_robin(candidates, frames):
             if len(self.running) >= self.config.max_active_requests:
                 break
             if seq.handle.cancelled:
@@ -191,9 +215,10 @@ class Scheduler:
                 self.waiting.remove(seq)
             self.running.append(seq)
             seq.admitted_at = self.clock()
+            self._last_owner = seq.request.owner
             try:
                 seq.blocks = self.blocks.allocate(need)
-                seq.frame = attach(frame)
+                seq.frame = attach(frames[seq.request.owner])
             except Exception as e:  # noqa: BLE001 - e.g. a failed isolated prefill: this request only
                 self.finish(seq, "error", f"could not admit: {e}")
                 continue
@@ -201,6 +226,22 @@ class Scheduler:
         if waited:
             self.stats.count("admission_waits")
         return admitted
+
+    def _round_robin(self, candidates: list[Sequence], frames: dict[str, FrameCache]) -> list[Sequence]:
+        """The candidates whose owner has a frame, interleaved one per owner at a time, starting with the
+        owner after the one served last (robot order)."""
+        queues: dict[str, list[Sequence]] = {r: [] for r in self.robots if r in frames}
+        for seq in candidates:
+            if seq.request.owner in queues:
+                queues[seq.request.owner].append(seq)
+        owners = list(queues)
+        if self._last_owner in owners:
+            i = owners.index(self._last_owner) + 1
+            owners = owners[i:] + owners[:i]
+        order = []
+        for turn in range(max((len(q) for q in queues.values()), default=0)):
+            order.extend(queues[o][turn] for o in owners if turn < len(queues[o]))
+        return order
 
     def decode_batch(self) -> list[Sequence]:
         return self.running[:self.config.max_active_requests]

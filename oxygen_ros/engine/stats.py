@@ -1,4 +1,6 @@
-"""Engine statistics for diagnostics and the benchmark: counters plus a window of recent cycles."""
+"""Engine statistics for diagnostics and the benchmark: counters plus a window of recent cycles, and per
+robot (issue #17) its frames, chunks, deadline misses, chunk latency, dropped and deferred observations.
+The flat keys are the totals over every robot."""
 from __future__ import annotations
 
 import collections
@@ -10,7 +12,7 @@ from . import requests
 
 
 class EngineStats:
-    def __init__(self, horizon: int, frame_period: float, blocks, window: int = 200):
+    def __init__(self, horizon: int, frame_period: float, blocks, robots: tuple[str, ...] = ("",), window: int = 200):
         self.horizon, self.frame_period, self.blocks = horizon, frame_period, blocks
         self._cycles = collections.deque(maxlen=window)
         self._counters: collections.Counter = collections.Counter()
@@ -20,19 +22,38 @@ class EngineStats:
         self.active = 0
         self.queued = 0
         self.graphs = None          # the runner's StepGraphs, when fixed-shape steps are on (its counters)
+        self._robots = {r: collections.Counter() for r in robots}
+        self._chunk_s = {r: collections.deque(maxlen=window) for r in robots}
+        self._dropped = dict.fromkeys(robots, 0)
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counters[name] += n
 
+    def count_robot(self, robot: str, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._robots[robot][name] += n
+
+    def record_chunk(self, robot: str, latency_s: float, missed: bool) -> None:
+        """A chunk delivered to `robot`, `latency_s` after its cycle started; `missed`: after its deadline."""
+        with self._lock:
+            counter = self._robots[robot]
+            counter["chunks"] += 1
+            counter["deadline_misses"] += int(missed)
+            self._chunk_s[robot].append(latency_s)
+
     def note_error(self, message: str) -> None:
         self.last_error = message
 
-    def record(self, report, dropped_frames: int, active: int, queued: int) -> None:
+    def record(self, report, dropped: dict[str, int], active: int, queued: int) -> None:
+        """A finished cycle; `dropped`: observations each robot's mailbox replaced so far."""
         with self._lock:
             self._cycles.append(report)
-            if report.frame_index is not None and not report.fault:
-                self._counters["frames"] += 1
+            for robot in report.robots:
+                self._robots[robot]["frames"] += 1
+            self._counters["frames"] += report.chunks
+            self._dropped.update(dropped)
+            dropped_frames = sum(self._dropped.values())
             self._counters["cycles"] += 1
             self._counters["tokens"] += report.tokens
             self._counters["deadline_misses"] += int(report.deadline_missed)
@@ -47,7 +68,10 @@ class EngineStats:
         with self._lock:
             cycles = list(self._cycles)
             counters = dict(self._counters)
-        frames = [c for c in cycles if c.frame_index is not None and not c.fault]
+            robots = {r: dict(c) for r, c in self._robots.items()}
+            chunk_s = {r: np.array(d) for r, d in self._chunk_s.items()}
+            dropped = dict(self._dropped)
+        frames = [c for c in cycles if c.chunks]
         frame_s = np.array([c.duration_s for c in frames]) if frames else np.zeros(0)
         wall = sum(c.duration_s for c in cycles)
         batches = [b for c in cycles for b in c.batch_sizes]
@@ -81,4 +105,10 @@ class EngineStats:
             "graph_replays": self.graphs.replays if self.graphs else 0,
             "graph_fallbacks": self.graphs.fallbacks if self.graphs else 0,
             "last_error": self.last_error,
+            "robots": {r: {"frames": c.get("frames", 0), "chunks": c.get("chunks", 0),
+                           "deadline_misses": c.get("deadline_misses", 0),
+                           "chunk_ms_mean": ms(chunk_s[r]), "chunk_ms_p99": ms(chunk_s[r], 99),
+                           "dropped_observations": dropped[r], "deferred": c.get("deferred", 0),
+                           "bad_observations": c.get("bad_observations", 0), "faults": c.get("faults", 0)}
+                       for r, c in robots.items()},
         }
