@@ -330,3 +330,33 @@ def test_the_engine_thread_serves_every_robot(fleet):
         assert engine.stop()
     assert set(got) == set(engine.robots)
     assert json.dumps(engine.stats.snapshot()["robots"])       # plain numbers (diagnostics)
+
+
+# ---------------------------------------------------------------------------------------------- benchmark
+def test_fleet_benchmark_json(tmp_path):
+    """`python -m oxygen_ros.bench --robots 2` for a few frames: the JSON's fields, every robot got its chunks,
+    both settings did the same work. No timing is asserted (the figures live in docs/fleet_bench_*.json)."""
+    from oxygen_ros.bench.__main__ import main
+
+    out = tmp_path / "fleet.json"
+    assert main(["--preset", "tiny", "--robots", "2", "--frames", "3", "--reply-tokens", "4", "--tokens-per-frame", "2",
+                 "--repeat", "1", "--warmup-frames", "1", "--json", str(out), "--quiet"]) == 0
+    result = json.loads(out.read_text())
+    fleet = result["fleet"]
+    assert fleet["robots"] == 2 and fleet["preset"] == "tiny" and [p["robots"] for p in result["scaling"]] == [2]
+    for name in ("batched", "separate"):
+        s = fleet[name]
+        for key in ("per_robot_action_hz", "aggregate_tokens_per_s", "round_ms_mean", "aggregate_action_hz"):
+            assert isinstance(s[key], float) and s[key] > 0, (name, key)
+        assert len(s["per_robot_action_hz_all"]) == 2
+        assert s["per_robot_action_hz"] == min(s["per_robot_action_hz_all"])
+        assert isinstance(s["deadline_misses"], int) and 0 <= s["deadline_misses"] <= 2 * 3
+        assert s["chunks"] == {"r0": 3, "r1": 3}, "every robot got a chunk every round"
+        assert s["tokens"] == 2 * 3 * 4 and s["replies_failed"] == 0       # one request per robot and frame
+        # per-robot rate = horizon x chunks / frame-round time
+        assert s["per_robot_action_hz"] == pytest.approx(10 * 3 / (3 * s["round_ms_mean"] / 1e3))
+    eq = fleet["equivalence"]
+    assert eq["actions_within_tolerance"] and eq["replies_compared"] == 6
+    assert fleet["pool_empty_at_end"]
+    assert result["meta"]["command"].startswith("python -m oxygen_ros.bench --preset tiny --robots 2")
+    assert fleet["engine_robot_stats"]["r1"]["chunks"] >= 3

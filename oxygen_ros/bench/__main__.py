@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", default=None, metavar="KNOB=V1,V2,...",
                    help=f"also measure speedup vs a knob ({' or '.join(SWEEP_KNOBS)}), e.g. reply-tokens=10,30,60")
     p.add_argument("--sweep-repeat", type=int, default=1, help="repetitions per sweep point")
+    p.add_argument("--robots", default=None, metavar="N[,N...]",
+                   help="fleet benchmark instead of the policies: N robots on one engine (fleet.batched) vs N "
+                        "single-robot engines (fleet.separate); several values measure how cost grows with N")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write a PNG plot (matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -88,6 +91,15 @@ def _check_args(p: argparse.ArgumentParser, a) -> list[str]:
     for name in ("frames", "denoise_steps", "reply_tokens", "tokens_per_frame", "repeat", "sweep_repeat", "max_batch"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.robots is not None:
+        try:
+            a.robots = [int(v) for v in a.robots.split(",") if v.strip()]
+        except ValueError:
+            a.robots = []
+        if not a.robots or min(a.robots) < 1 or len(set(a.robots)) != len(a.robots):
+            p.error("--robots must be distinct positive integers, e.g. 2 or 1,2,4")
+        if a.deadline or a.sweep:
+            p.error("--robots runs the fixed decode budget without --sweep")
     if a.warmup_frames < 0 or a.check_frames < 0:
         p.error("--warmup-frames and --check-frames must be >= 0")
     try:
@@ -215,6 +227,50 @@ def summarize(records: dict, engines: dict, wl, horizon: int) -> dict:
             "equivalence": analysis.equivalence(records)}
 
 
+def _meta(a, cfg, model, info, started: str, load_start, argv) -> dict:
+    """Machine, versions, model and run parameters: what a figure needs to say how it was measured."""
+    from oxygen_ros.model.config import num_parameters
+
+    return {
+        "machine": f"{platform.node()} ({platform.machine()})", "platform": platform.platform(),
+        "cpu_model": _cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(), "triton": _version("triton"), "numpy": np.__version__,
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
+        "preset": a.preset, "parameters": num_parameters(cfg),
+        "parameters_built": int(sum(p.numel() for p in model.parameters())),
+        "weights": a.checkpoint or f"random (seed {a.seed})", "dtype": str(model.dtype).removeprefix("torch."),
+        "device": str(model.device), "attention_backend": info.attention_backend,
+        "cuda_graphs": info.cuda_graphs and model.device.type == "cuda",
+        "frame_period_s": info.frame_period_s, "action_horizon": cfg.action_horizon,
+        "repetitions": a.repeat, "warmup_frames": a.warmup_frames, "date": started,
+        "command": "python -m oxygen_ros.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "git_commit": _git_commit(), "load_avg_start": load_start, "load_avg_end": _load(),
+    }
+
+
+def main_fleet(a, cfg, model, started: str, load_start, argv, log) -> int:
+    """--robots: fleet.batched vs fleet.separate for each N (the JSON's `fleet` is the largest N's)."""
+    from . import fleet
+
+    scaling = []
+    for n in a.robots:
+        point = fleet.run_fleet(model, cfg, a, n, log)
+        scaling.append({"robots": n, **point})
+    result = {"fleet": {**scaling[-1], "preset": a.preset}, "scaling": scaling}
+    engine = fleet.build(model, 1, a)[0]
+    result["meta"] = _meta(a, cfg, model, engine.info, started, load_start, argv)
+    result["meta"]["workload"] = {
+        "per_robot": fleet.make_loads(1, a, cfg)["r0"].params(), "robots": a.robots,
+        "note": fleet.__doc__.split("\n\n", 1)[1].strip()}
+    print(fleet.table(result["fleet"], scaling), flush=True)
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(result, indent=2, default=_jsonable, allow_nan=False) + "\n")
+        log(f"wrote {a.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
@@ -232,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(cfg, a.checkpoint, a.device, _dtype(a.dtype), a.seed)
     log(f"model {a.preset}: {num_parameters(cfg) / 1e6:.1f} M parameters, {model.dtype} on {model.device} "
         f"(built in {time.perf_counter() - t:.1f} s)")
+    if a.robots:
+        return main_fleet(a, cfg, model, started, load_start, argv, log)
     engines = {s: make_engine(model, s, a, a.reply_tokens, a.tokens_per_frame) for s in names}
     first = engines[names[0]]
     common = dict(robot=a.robot, arrival=a.arrival, denoise_steps=a.denoise_steps,
@@ -288,23 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         result["sweep"] = {"knob": knob, "repetitions": a.sweep_repeat, "points": points,
                            "note": "the point equal to the main workload reuses the main run"}
 
-    result["meta"] = {
-        "machine": f"{platform.node()} ({platform.machine()})", "platform": platform.platform(),
-        "cpu_model": _cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(), "triton": _version("triton"), "numpy": np.__version__,
-        "python": platform.python_version(),
-        "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
-        "preset": a.preset, "parameters": num_parameters(cfg),
-        "parameters_built": int(sum(p.numel() for p in model.parameters())),
-        "weights": a.checkpoint or f"random (seed {a.seed})", "dtype": str(model.dtype).removeprefix("torch."),
-        "device": str(model.device), "attention_backend": first.info.attention_backend,
-        "cuda_graphs": first.info.cuda_graphs and model.device.type == "cuda",
-        "frame_period_s": first.info.frame_period_s, "action_horizon": cfg.action_horizon,
-        "workload": wl.params(), "settings": names, "repetitions": a.repeat, "warmup_frames": a.warmup_frames,
-        "date": started,
-        "command": "python -m oxygen_ros.bench " + " ".join(sys.argv[1:] if argv is None else argv),
-        "git_commit": _git_commit(), "load_avg_start": load_start, "load_avg_end": _load(),
-    }
+    result["meta"] = _meta(a, cfg, model, first.info, started, load_start, argv)
+    result["meta"].update(workload=wl.params(), settings=names)
     result = {k: result[k] for k in ("settings", "equivalence", "pool_empty_at_end", "meta", "limit",
                                      "steady_from_frame", "sweep") if k in result}
     print(report.table(result), flush=True)
