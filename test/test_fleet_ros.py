@@ -152,6 +152,8 @@ oxygen_engine:
     tokenizer: ''
     kv_budget_mb: 32.0
     torch_threads: 1
+    memory_period_s: 1.0
+    memory_max_tokens: 2
     robots: [arm_a, arm_b]
     arm_a: {robot_config: droid}
     arm_b: {robot_config: aloha}
@@ -267,6 +269,20 @@ def test_a_question_to_arm_b_is_answered_from_arm_b_s_frame(fleet):
     r = future.result()
     assert r.success, r.error
     assert robots.whose(r.frame_stamp) == ["arm_b"], "answered about another robot's camera"
+
+
+def test_each_robot_s_captions_come_on_its_memory_topic_from_its_frames(fleet):
+    from oxygen_interfaces.msg import Caption
+    from ros_harness import wait_until
+
+    bringup, client, robots = fleet
+    captions = {r: client.collect(Caption, f"/{r}/oxygen/memory") for r in ("arm_a", "arm_b")}
+    assert wait_until(lambda: all(len(c) >= 2 for c in captions.values()), 60), (
+        {r: len(c) for r, c in captions.items()}, bringup.output()[-2000:])
+    for robot, received in captions.items():
+        for _, c in list(received):
+            assert robots.whose(c.header.stamp) == [robot], f"{robot}'s caption describes another robot's frame"
+    assert client.node.count_publishers("/oxygen/memory") == 0
 
 
 @pytest.mark.timing
