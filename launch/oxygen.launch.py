@@ -2,6 +2,7 @@
 
     ros2 launch oxygen_ros oxygen.launch.py robot:=libero params_file:=/path/to/overrides.yaml
     ros2 launch oxygen_ros oxygen.launch.py robot:=droid managed:=true record:=/data/bags console:=8080
+    ros2 launch oxygen_ros oxygen.launch.py robot:='' params_file:=/path/to/fleet.yaml   # one engine, many robots
 
 One process (oxygen_bringup) composes the engine and the observation, action and conversation nodes,
 so language requests reach the frame KV cache through in-process handles; `robot` picks
@@ -16,7 +17,7 @@ from launch_ros.actions import Node
 def _bringup(context):
     robot = LaunchConfiguration("robot").perform(context)
     params_file = LaunchConfiguration("params_file").perform(context)
-    arguments = ["--robot", robot]
+    arguments = ["--robot", robot] if robot else []      # robot:='' for a fleet (its params file names each robot's)
     if params_file:
         arguments += ["--params-file", params_file]
     for flag in ("demo", "managed"):
@@ -32,7 +33,8 @@ def _bringup(context):
 
 def generate_launch_description():
     return LaunchDescription([
-        DeclareLaunchArgument("robot", default_value="libero", description="libero, droid, aloha or demo"),
+        DeclareLaunchArgument("robot", default_value="libero",
+                              description="libero, droid, aloha or demo; '' for a fleet (docs/fleet.md)"),
         DeclareLaunchArgument("params_file", default_value="", description="ROS parameters YAML overriding the robot config"),
         DeclareLaunchArgument("demo", default_value="false", description="add the simulated robot and demo client"),
         DeclareLaunchArgument("managed", default_value="false",

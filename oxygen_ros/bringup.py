@@ -317,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"oxygen_bringup: {e}", file=sys.stderr)
         return 2
+    fleet = ParamsFiles(args.params_file).engine().get("robots")
+    if args.robot and fleet:
+        print(f"oxygen_bringup: --robot {args.robot} and a fleet (robots: {fleet}) both given: a fleet names "
+              "each robot's config in <robot>.robot_config (docs/fleet.md)", file=sys.stderr)
+        return 2
     if args.robot:
         print(f"oxygen_bringup: robot config {files[0]}", flush=True)
     if args.robot == "demo":

@@ -133,6 +133,13 @@ oxygen_engine:
     assert "Traceback" not in r.stderr
 
 
+def test_a_robot_config_and_a_fleet_together_are_refused():
+    r = bringup("--robot", "droid", "--params-file", str(REPO / "config" / "fleet_example.yaml"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip() == ("oxygen_bringup: --robot droid and a fleet (robots: ['arm_a', 'arm_b']) both given: "
+                                "a fleet names each robot's config in <robot>.robot_config (docs/fleet.md)")
+
+
 def test_the_fleet_example_starts_and_stops():
     r = bringup("--params-file", str(REPO / "config" / "fleet_example.yaml"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -328,3 +335,27 @@ def test_a_stale_camera_stops_only_its_robot(fleet):
     # A's camera back: A's commands resume.
     back = time.monotonic()
     assert wait_until(lambda: any(t > back for t, _ in list(actions["arm_a"])), 10)
+
+
+@pytest.mark.timing
+def test_each_robot_has_its_own_enable_service(fleet):
+    from std_msgs.msg import Float64MultiArray
+    from std_srvs.srv import SetBool
+
+    from ros_harness import wait_until
+
+    bringup, client, robots = fleet
+    actions = {r: client.collect(Float64MultiArray, f"/{r}/oxygen/action") for r in ("arm_a", "arm_b")}
+    cli = client.node.create_client(SetBool, "/arm_b/oxygen/enable")
+    assert cli.wait_for_service(20)
+    assert wait_until(lambda: all(len(a) > 10 for a in actions.values()), 30)
+    off = cli.call_async(SetBool.Request(data=False))
+    assert wait_until(off.done, 10) and off.result().success
+    t_off = time.monotonic()
+    time.sleep(1.5)
+    assert [t for t, _ in list(actions["arm_b"]) if t > t_off + 0.05] == [], "arm_b published after its disable"
+    assert len([t for t, _ in list(actions["arm_a"]) if t > t_off + 0.05]) > 30, "arm_a kept publishing"
+    on = cli.call_async(SetBool.Request(data=True))
+    assert wait_until(on.done, 10) and on.result().success
+    t_on = time.monotonic()
+    assert wait_until(lambda: any(t > t_on for t, _ in list(actions["arm_b"])), 5)
