@@ -81,12 +81,6 @@ PARAMS = ENGINE_PARAMS + [
                         "docs/fleet.md). Empty: one robot, no namespace (/oxygen/...), configured by the "
                         "parameters above."),
 ]
-ROBOT_PARAM_HELP = {
-    "namespace": "Namespace of robot {0}'s nodes and interface (/<namespace>/oxygen/...). Empty: /{0}.",
-    "robot_config": "Robot {0}'s config: a name in config/ (droid, aloha, libero, demo) or a YAML file.",
-    "norm_stats": "Robot {0}'s norm_stats.json (or a directory with assets/<asset_id>/). Empty: none.",
-    "asset_id": "Which assets/<asset_id> folder robot {0}'s norm stats come from when there are several.",
-}
 
 
 class AttachedNodes(Protocol):
@@ -208,7 +202,7 @@ class EngineNode(LifecycleNode):
         for name in names:
             if not valid_name(name):
                 continue                         # read_fleet names the problem; no parameter can be declared
-            for key, help_text in ROBOT_PARAM_HELP.items():
+            for key, help_text in ROBOT_KEYS.items():
                 if not self.has_parameter(f"{name}.{key}"):
                     self.declare_parameter(f"{name}.{key}", "", ParameterDescriptor(
                         description=help_text.format(name), dynamic_typing=True))   # a wrong type: named below

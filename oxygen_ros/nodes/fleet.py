@@ -34,7 +34,13 @@ import yaml
 from oxygen_ros.robot.configs import find_config
 from oxygen_ros.robot.policy_io import RobotIOConfig
 
-ROBOT_KEYS = ("namespace", "robot_config", "norm_stats", "asset_id")       # oxygen_engine's <robot>.<key>
+# oxygen_engine's <robot>.<key> parameters, with their descriptions ({0}: the robot's name).
+ROBOT_KEYS = {
+    "namespace": "Namespace of robot {0}'s nodes and interface (/<namespace>/oxygen/...). Empty: /{0}.",
+    "robot_config": "Robot {0}'s config: a name in config/ (droid, aloha, libero, demo) or a YAML file.",
+    "norm_stats": "Robot {0}'s norm_stats.json (or a directory with assets/<asset_id>/). Empty: none.",
+    "asset_id": "Which assets/<asset_id> folder robot {0}'s norm stats come from when there are several.",
+}
 ROBOT_NODES = ("oxygen_observation", "oxygen_action", "oxygen_conversation", "oxygen_view")
 # What a robot config's oxygen_engine section says about the robot itself (the rest, state_in_prompt
 # included, is the engine's: one prompt format for the shared model).
