@@ -29,6 +29,8 @@ class EngineConfig:
     min_tokens_per_frame: int = setting(1, "Decode steps every active request gets per frame even when late.",
                                         minimum=0)
     max_active_requests: int = setting(32, "Largest decode batch.", minimum=1)
+    prepare_ahead: bool = setting(True, "Convert camera images (rotation, resize) on a preparer thread ahead of "
+                                        "each cycle instead of on the engine thread.")
     max_robots_per_cycle: int = setting(8, "Most robots' frames prefilled and denoised together in one cycle; "
                                            "more pending wait for the next cycle, earliest deadline first.",
                                         minimum=1)

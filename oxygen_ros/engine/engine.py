@@ -50,6 +50,7 @@ from oxygen_ros.robot.errors import InputError
 
 from .config import POLICIES, EngineConfig
 from .frames import FramePreparer, PreparedFrame
+from .intake import Intake, Pending, PreparerThread
 from .kv_pool import FrameCache
 from .model_runner import EngineFault, ModelRunner, TextRow
 from .requests import Reply, RequestHandle, Sampling, Sequence, TextRequest, refused
@@ -117,57 +118,8 @@ class CycleReport:
     robots: list = field(default_factory=list)      # whose frames this cycle computed, in robot order
     chunks: int = 0                                 # action chunks it delivered
     deferred: list = field(default_factory=list)    # robots whose pending frame waits for the next cycle
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """An observation waiting for a cycle: its robot's frame must be computed by `deadline` (engine clock)."""
-
-    obs: object
-    noise: np.ndarray | None
-    deadline: float
-
-
-class _Mailboxes:
-    """One slot per robot holding its newest observation: a newer one replaces (and counts) an unconsumed
-    older one of the same robot; robots never displace each other. One condition for the engine thread."""
-
-    def __init__(self, robots: tuple[str, ...]):
-        self._cv = threading.Condition()
-        self._items: dict[str, _Pending | None] = dict.fromkeys(robots)
-        self.dropped: dict[str, int] = dict.fromkeys(robots, 0)
-
-    def put(self, robot: str, item: _Pending) -> None:
-        with self._cv:
-            if self._items[robot] is not None:
-                self.dropped[robot] += 1
-            self._items[robot] = item
-            self._cv.notify()
-
-    def wait(self, timeout: float) -> None:
-        with self._cv:
-            if not self.pending:
-                self._cv.wait(timeout)
-
-    def take_due(self, limit: int) -> tuple[dict[str, _Pending], list[str]]:
-        """The pending observations of at most `limit` robots, earliest deadline first (ties: robot order),
-        in robot order; and the robots left waiting (deferred)."""
-        with self._cv:
-            ready = sorted((item.deadline, i, robot) for i, (robot, item) in enumerate(self._items.items())
-                           if item is not None)
-            chosen = sorted(ready[:limit], key=lambda x: x[1])
-            taken = {robot: self._items[robot] for _, _, robot in chosen}
-            for robot in taken:
-                self._items[robot] = None
-            return taken, [robot for _, _, robot in ready[limit:]]
-
-    @property
-    def pending(self) -> bool:
-        return any(item is not None for item in self._items.values())
-
-    def wake(self) -> None:
-        with self._cv:
-            self._cv.notify_all()
+    prepare_s: float = 0.0         # observations converted on the engine thread (inline preparation)
+    prepared_ahead: int = 0        # frames whose inputs the preparer thread had made
 
 
 @dataclass
@@ -210,7 +162,8 @@ class Engine:
         # Admission keeps room for the next cycle's prefills: up to max_robots_per_cycle frames.
         self.scheduler = Scheduler(self.config, pool.blocks, tokenizer, per_cycle * prefix_blocks, prefix_blocks, self.stats,
                                    lambda: self.clock(), self.robots)
-        self._mailboxes = _Mailboxes(self.robots)
+        self._intake = Intake(self.robots)
+        self._preparer_thread = PreparerThread(self._intake, self.preparers, lambda: self.clock())
         self._lock = threading.Lock()                       # guards the listener lists
         self._latest_chunks: dict[str, ChunkResult | None] = dict.fromkeys(self.robots)
         self._captions: collections.deque[Caption] = collections.deque(maxlen=self.config.memory_log_size)
@@ -266,7 +219,7 @@ class Engine:
     def submit_observation(self, obs, noise: np.ndarray | None = None, robot: str = "") -> None:
         """Hand over a robot's newest observation (oxygen_ros.robot.sync.Observation); it replaces that
         robot's unconsumed older one (counted as dropped). Never blocks. ValueError for an unknown robot."""
-        self._mailboxes.put(self._robot(robot), _Pending(obs, noise, self.clock() + self._infos[robot].chunk_period_s))
+        self._intake.put(self._robot(robot), Pending(obs, noise, self.clock() + self._infos[robot].chunk_period_s))
 
     def latest_chunk(self, robot: str = "") -> ChunkResult | None:
         return self._latest_chunks[self._robot(robot)]
@@ -312,7 +265,7 @@ class Engine:
         if self.faulted:
             return refused(request, f"engine stopped after repeated faults: {self.faulted}", self.clock())
         handle = self.scheduler.submit(request)
-        self._mailboxes.wake()
+        self._intake.wake()
         return handle
 
     def start(self) -> None:
@@ -323,6 +276,8 @@ class Engine:
                 raise RuntimeError("the previous engine thread has not stopped yet: cannot start another")
         self._stop.clear()
         self.scheduler.reopen()
+        if self.config.prepare_ahead:
+            self._preparer_thread.start()
         self._thread = threading.Thread(target=self._loop, name="oxygen-engine", daemon=True)
         self._thread.start()
 
@@ -333,7 +288,8 @@ class Engine:
         loop beside it."""
         self.scheduler.close("engine stopped")
         self._stop.set()
-        self._mailboxes.wake()
+        self._preparer_thread.stop(timeout)
+        self._intake.wake()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -359,7 +315,7 @@ class Engine:
     @property
     def mailbox_dropped(self) -> int:
         """Observations replaced by a newer one of the same robot before a cycle took them (all robots)."""
-        return sum(self._mailboxes.dropped.values())
+        return sum(self._intake.dropped.values())
 
     @property
     def subtask_text(self) -> str:
@@ -376,16 +332,17 @@ class Engine:
 
     # ================================================================== engine thread
     def _loop(self) -> None:
+        ahead = self.config.prepare_ahead          # frames come prepared by the preparer thread
         try:
             while not self._stop.is_set():
-                self._mailboxes.wait(timeout=self.frame_period)
+                self._intake.wait(self.frame_period, prepared_only=ahead)
                 if self._stop.is_set():
                     break
-                if not self._mailboxes.pending and not self.scheduler.has_work:
+                if not self._intake.pending(prepared_only=ahead) and not self.scheduler.has_work:
                     continue
                 try:
-                    self.run_frames()
-                except Exception:  # the loop must survive anything; run_frames already reported it
+                    self._cycle({}, {}, prepared_only=ahead)
+                except Exception:  # the loop must survive anything; _cycle already reported it
                     log.exception("engine cycle failed")
         finally:
             self.scheduler.fail_all("engine stopped")
@@ -403,18 +360,23 @@ class Engine:
         with what is pending in the mailboxes (the engine thread passes nothing and takes those): the
         frames of at most max_robots_per_cycle robots, earliest deadline first, are prefilled in one
         forward and denoised together; the others stay pending for the next cycle (counted as deferred).
-        Synchronous: the benchmark and tests drive the engine with it."""
-        start = self.clock()
+        Synchronous (the benchmark and tests drive the engine with it): observations are prepared inline."""
         observations, noise = dict(observations or {}), dict(noise or {})
         unknown = [r for r in list(observations) + list(noise) if r not in self._infos]
         if unknown:
             raise ValueError(f"unknown robots {unknown}: this engine serves {list(self.robots)}")
+        return self._cycle(observations, noise, prepared_only=False)
+
+    def _cycle(self, observations: dict, noise: dict, prepared_only: bool) -> CycleReport:
+        start = self.clock()
         for robot, obs in observations.items():
-            self._mailboxes.put(robot, _Pending(obs, noise.get(robot), start + self._infos[robot].chunk_period_s))
+            self._intake.put(robot, Pending(obs, noise.get(robot), start + self._infos[robot].chunk_period_s))
         report = CycleReport(None, start)
         self.scheduler.expire(start)
-        due, report.deferred = self._mailboxes.take_due(len(self.robots) if self.faulted
-                                                        else self.config.max_robots_per_cycle)
+        due, report.deferred = self._intake.take_due(len(self.robots) if self.faulted
+                                                     else self.config.max_robots_per_cycle, prepared_only)
+        if due:
+            self._preparer_thread.cycle_started(start)
         for robot in report.deferred:
             self.stats.count_robot(robot, "deferred")
         with contextlib.ExitStack() as cycle:       # the cycle's frame references, released on every path
@@ -425,17 +387,18 @@ class Engine:
                 self._language(frames, report)
         report.duration_s = self.clock() - start
         report.deadline_missed = bool(due) and report.duration_s > self.frame_period
-        self.stats.record(report, dict(self._mailboxes.dropped), self.active_requests, self.queued_requests)
+        self._preparer_thread.cycle_ended(report.duration_s, bool(due))
+        self.stats.record(report, dict(self._intake.dropped), self.active_requests, self.queued_requests)
         return report
 
     # ------------------------------------------------------------------ frames: prefill + actions
-    def _frames(self, due: dict[str, _Pending], report: CycleReport,
+    def _frames(self, due: dict[str, Pending], report: CycleReport,
                 cycle: contextlib.ExitStack) -> dict[str, FrameCache]:
         """Prepare each robot's observation, prefill them in one forward, denoise their chunks together,
         deliver the chunks. Returns {robot: frame} of the frames that succeeded (the cycle holds them)."""
         work: list[_Frame] = []
         for robot, pending in due.items():
-            frame = self._prepare(robot, pending)
+            frame = self._prepare(robot, pending, report)
             if frame is not None:
                 work.append(frame)
         if not work:
@@ -487,12 +450,21 @@ class Engine:
         report.chunks = len(chunks)
         return {f.robot: f.cache for f, _ in chunks}
 
-    def _prepare(self, robot: str, pending: _Pending) -> _Frame | None:
-        """A robot's observation -> model inputs, or None (a bad observation, counted)."""
+    def _prepare(self, robot: str, pending: Pending, report: CycleReport) -> _Frame | None:
+        """A robot's observation -> model inputs (made ahead by the preparer thread, else here), or None (a
+        bad observation, counted)."""
         index = self._frame_index
         self._frame_index += 1
         try:
-            prepared = self.preparers[robot].prepare(pending.obs)
+            if pending.error is not None:
+                raise pending.error
+            if pending.prepared is not None:
+                prepared = pending.prepared
+                report.prepared_ahead += 1
+            else:
+                t = self.clock()
+                prepared = self.preparers[robot].prepare(pending.obs)
+                report.prepare_s += self.clock() - t
             noise = self.frame_noise(index) if pending.noise is None else \
                 torch.as_tensor(np.asarray(pending.noise), dtype=torch.float32)
         except InputError as e:
@@ -626,7 +598,7 @@ class Engine:
             batch = sched.decode_batch()
             if not sched.budget.another_step(steps, self.clock(), deadline, len(batch)):
                 break
-            if not frames and self._mailboxes.pending:
+            if not frames and self._intake.pending(prepared_only=self._thread is not None and self.config.prepare_ahead):
                 report.preempted = True        # a new frame is waiting: actions first
                 break
             s = self.clock()

@@ -52,6 +52,8 @@ class EngineStats:
             for robot in report.robots:
                 self._robots[robot]["frames"] += 1
             self._counters["frames"] += report.chunks
+            if report.prepared_ahead:
+                self._counters["frames_prepared_ahead"] += report.prepared_ahead
             self._dropped.update(dropped)
             dropped_frames = sum(self._dropped.values())
             self._counters["cycles"] += 1
@@ -87,6 +89,7 @@ class EngineStats:
             "frame_ms_mean": ms(frame_s), "frame_ms_p50": ms(frame_s, 50), "frame_ms_p99": ms(frame_s, 99),
             "prefill_ms_mean": ms([c.prefill_s for c in frames]),
             "action_ms_mean": ms([c.action_s for c in frames]),
+            "prepare_ms_mean": ms([c.prepare_s for c in frames]),     # conversions on the engine thread
             "decode_ms_mean": ms([c.decode_s for c in cycles]),
             "action_hz": self.horizon / mean_frame if mean_frame > 0 else 0.0,
             "tokens_per_s": sum(c.tokens for c in cycles) / wall if wall > 0 else 0.0,

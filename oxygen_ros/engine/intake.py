@@ -1,0 +1,180 @@
+"""Observations on their way into a frame cycle: one slot pair per robot, and the preparer thread.
+
+Per robot, `Intake` holds the newest raw observation (what `submit_observation` hands over) and the newest
+prepared one (model inputs made by the preparer thread). A newer item replaces an unconsumed older one of
+the same robot and is counted as dropped; robots never displace each other. A cycle takes per robot its
+prepared item if there is one (a raw one that arrived since stays for the next cycle), else its raw item
+(prepared inline, on the engine thread: `run_cycle`/`run_frames` driven synchronously always do that),
+for at most `limit` robots, earliest deadline first.
+
+The preparer thread (issue #12) runs the robots' policy input transform (rotation, resize_with_pad of
+full-resolution images: 20 ms for 1080p, 177 ms for 4K at one thread) beside the engine thread, so that
+the conversion no longer delays the chunk. Its cost is bounded by the engine's frame rate, not the camera
+rate: it converts a robot's newest raw observation only once per frame cycle (or when its previous
+prepared one was consumed), and no earlier than `not_before`, which the engine sets at each frame cycle's
+start to the predicted end of that cycle minus the predicted conversion time: the frame a cycle takes is
+then as fresh as the conversion allows, not a cycle old. Between cycles (`not_before` = now) it converts
+at once.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import numpy as np
+
+from oxygen_ros.robot.errors import InputError
+
+from .frames import FramePreparer, PreparedFrame
+
+log = logging.getLogger("oxygen_ros.engine")
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An observation waiting for a cycle: its robot's frame is due by `deadline` (engine clock)."""
+
+    obs: object
+    noise: np.ndarray | None
+    deadline: float
+    prepared: PreparedFrame | None = None       # made by the preparer thread (None: prepare inline)
+    error: InputError | None = None             # the preparer thread rejected it (counted by the cycle)
+    prepare_s: float = 0.0                      # what the preparation cost (either thread)
+
+
+class Intake:
+    def __init__(self, robots: tuple[str, ...]):
+        self.cv = threading.Condition()
+        self.robots = robots
+        self.raw: dict[str, Pending | None] = dict.fromkeys(robots)
+        self.ready: dict[str, Pending | None] = dict.fromkeys(robots)
+        self.dropped: dict[str, int] = dict.fromkeys(robots, 0)
+
+    def put(self, robot: str, item: Pending) -> None:
+        with self.cv:
+            self._replace(self.raw, robot, item)
+
+    def put_ready(self, robot: str, item: Pending) -> None:
+        with self.cv:
+            self._replace(self.ready, robot, item)
+
+    def _replace(self, slots: dict, robot: str, item: Pending) -> None:
+        if slots[robot] is not None:
+            self.dropped[robot] += 1
+        slots[robot] = item
+        self.cv.notify_all()
+
+    def take_due(self, limit: int, prepared_only: bool = False) -> tuple[dict[str, Pending], list[str]]:
+        """Per robot its prepared item, else (unless `prepared_only`) its raw one, for at most `limit`
+        robots, earliest deadline first (ties: robot order), returned in robot order; and the robots left
+        waiting (deferred)."""
+        with self.cv:
+            candidates = {r: self.ready[r] or (None if prepared_only else self.raw[r]) for r in self.robots}
+            ready = sorted((item.deadline, i, r) for i, (r, item) in enumerate(candidates.items()) if item is not None)
+            chosen = sorted(ready[:limit], key=lambda x: x[1])
+            taken = {}
+            for _, _, r in chosen:
+                slots = self.ready if self.ready[r] is not None else self.raw
+                taken[r], slots[r] = slots[r], None
+            self.cv.notify_all()                 # a consumed prepared slot lets the preparer convert again
+            return taken, [r for _, _, r in ready[limit:]]
+
+    def pending(self, prepared_only: bool = False) -> bool:
+        with self.cv:
+            return any(self.ready.values()) or (not prepared_only and any(self.raw.values()))
+
+    def wait(self, timeout: float, prepared_only: bool) -> None:
+        with self.cv:
+            if not self.pending(prepared_only):
+                self.cv.wait(timeout)
+
+    def wake(self) -> None:
+        with self.cv:
+            self.cv.notify_all()
+
+
+class PreparerThread:
+    """Converts each robot's newest raw observation into model inputs ahead of the cycle (see above)."""
+
+    def __init__(self, intake: Intake, preparers: dict[str, FramePreparer], clock: Callable[[], float],
+                 smoothing: float = 0.3):
+        self.intake, self.preparers, self.clock, self.smoothing = intake, preparers, clock, smoothing
+        self.not_before = float("-inf")             # engine clock; set by the engine (see the module docstring)
+        self._cycle = 0                              # frame cycles started so far
+        self._converted = dict.fromkeys(intake.robots, -1)   # the cycle in which each robot was last converted
+        self._prepare_s = dict.fromkeys(intake.robots, 0.0)   # moving average of each robot's conversion
+        self._cycle_s = 0.0                          # moving average of a frame cycle
+        self.conversions = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ engine thread
+    def cycle_started(self, start: float) -> None:
+        """A frame cycle began: the next conversions are due shortly before its predicted end."""
+        with self.intake.cv:
+            self._cycle += 1
+            lead = 1.5 * sum(self._prepare_s.values())
+            self.not_before = start + max(0.0, self._cycle_s - lead)
+            self.intake.cv.notify_all()
+
+    def cycle_ended(self, duration_s: float, frame: bool) -> None:
+        with self.intake.cv:
+            if frame:
+                self._cycle_s = _ema(self._cycle_s, duration_s, self.smoothing)
+            self.not_before = float("-inf")         # between cycles: convert at once
+            self.intake.cv.notify_all()
+
+    # ------------------------------------------------------------------ preparer thread
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="oxygen-preparer", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        self._stop.set()
+        self.intake.wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _next(self) -> tuple[str, Pending] | None:
+        """Under the lock: a robot whose raw observation may be converted now, or None (and how long to wait)."""
+        if self.clock() < self.not_before:
+            return None
+        for r in self.intake.robots:
+            raw = self.intake.raw[r]
+            if raw is not None and (self.intake.ready[r] is None or self._converted[r] < self._cycle):
+                self.intake.raw[r] = None
+                self._converted[r] = self._cycle
+                return r, raw
+        return None
+
+    def _loop(self) -> None:
+        cv = self.intake.cv
+        while not self._stop.is_set():
+            with cv:
+                job = self._next()
+                if job is None:
+                    wait = self.not_before - self.clock()
+                    cv.wait(min(wait, 0.1) if wait > 0 else 0.1)
+                    continue
+            robot, raw = job
+            t = time.perf_counter()
+            try:
+                item = replace(raw, prepared=self.preparers[robot].prepare(raw.obs))
+            except InputError as e:
+                item = replace(raw, error=e)
+            except Exception as e:  # noqa: BLE001 - a preparation bug must not kill the thread: the cycle reports it
+                log.exception("frame preparation failed")
+                item = replace(raw, error=InputError(f"preparation failed: {type(e).__name__}: {e}"))
+            spent = time.perf_counter() - t
+            self._prepare_s[robot] = _ema(self._prepare_s[robot], spent, self.smoothing)
+            self.conversions += 1
+            self.intake.put_ready(robot, replace(item, prepare_s=spent))
+
+
+def _ema(old: float, new: float, smoothing: float) -> float:
+    return new if old == 0.0 else old + smoothing * (new - old)
