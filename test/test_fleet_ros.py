@@ -359,3 +359,44 @@ def test_each_robot_has_its_own_enable_service(fleet):
     assert wait_until(on.done, 10) and on.result().success
     t_on = time.monotonic()
     assert wait_until(lambda: any(t > t_on for t, _ in list(actions["arm_b"])), 5)
+
+
+def test_a_managed_fleet_is_fixed_configured_deactivated_and_configured_again(tmp_path):
+    """Through the lifecycle services, as a lifecycle manager drives it: a fleet with a misspelt robot config
+    stays unconfigured and says why; the robot's parameter set, configure and activate bring both robots'
+    actions; deactivate stops both; cleanup and configure again (the robots' parameters are read again)."""
+    from lifecycle_msgs.msg import State, Transition
+    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+    from rcl_interfaces.srv import SetParameters
+    from std_msgs.msg import Float64MultiArray
+
+    from ros_harness import private_domain, running_bringup, wait_until
+    from test_lifecycle import call, state, transition
+
+    params = write(tmp_path / "fleet.yaml", FLEET.replace("arm_b: {robot_config: aloha}",
+                                                          "arm_b: {robot_config: alohaa}"))
+    with running_bringup(["--params-file", str(params), "--managed", "--status-period", "0"],
+                         private_domain(37), "fleet_lifecycle_test") as (bringup, client):
+        TwoRobots(client.node)
+        actions = {r: client.collect(Float64MultiArray, f"/{r}/oxygen/action") for r in ("arm_a", "arm_b")}
+        assert not transition(client, Transition.TRANSITION_CONFIGURE)
+        assert state(client) == State.PRIMARY_STATE_UNCONFIGURED
+        assert bringup.wait_for_line("arm_b.robot_config: no robot config alohaa.yaml", 5), bringup.output()
+
+        value = ParameterValue(type=ParameterType.PARAMETER_STRING, string_value="aloha")
+        r = call(client, SetParameters, "/oxygen_engine/set_parameters",
+                 SetParameters.Request(parameters=[Parameter(name="arm_b.robot_config", value=value)]))
+        assert r.results[0].successful, r.results[0].reason
+        for _ in range(2):                    # configured, cleaned up, configured again
+            assert transition(client, Transition.TRANSITION_CONFIGURE)
+            assert transition(client, Transition.TRANSITION_ACTIVATE)
+            since = time.monotonic()
+            assert wait_until(lambda: all(sum(t > since for t, _ in list(a)) > 20 for a in actions.values()), 60), (
+                {r: len(a) for r, a in actions.items()}, bringup.output()[-3000:])
+            assert transition(client, Transition.TRANSITION_DEACTIVATE)
+            stopped = time.monotonic()
+            time.sleep(1.0)
+            late = {r: sum(t > stopped + 0.3 for t, _ in list(a)) for r, a in actions.items()}
+            assert late == {"arm_a": 0, "arm_b": 0}, f"actions after deactivate: {late}"
+            assert transition(client, Transition.TRANSITION_CLEANUP)
+            assert state(client) == State.PRIMARY_STATE_UNCONFIGURED
