@@ -142,29 +142,38 @@ class Executors:
 
 
 class RobotNodes:
-    """One robot's nodes around the engine: observation, actions, conversation, in the robot's namespace
-    (a fleet robot: /<namespace>/oxygen/...; the single robot "": /oxygen/...). A fleet robot's parameters
-    are given to its nodes (fleet.FleetRobot.parameters); the single robot's come from the params files."""
+    """One robot's nodes around the engine: observation, actions, conversation (then the view, once they
+    are all well configured), in the robot's namespace (a fleet robot: /<namespace>/oxygen/...; the single
+    robot "": /oxygen/...). A fleet robot's parameters are given to its nodes (fleet.FleetRobot.parameters);
+    the single robot's come from the params files."""
 
     def __init__(self, engine, build, robot: str = "", namespace: str | None = None, parameters=None):
-        from rclpy.parameter import Parameter
-
         from .nodes.action_publisher import ActionPublisher
         from .nodes.conversation_service import ConversationService
         from .nodes.observation_node import ObservationNode
 
-        def kwargs(node: str) -> dict:
-            if parameters is None:
-                return {}
-            return dict(namespace=namespace,
-                        parameter_overrides=[Parameter(k, value=v) for k, v in parameters(node).items()])
-
-        self.robot = robot
-        self.observation = build(lambda: ObservationNode(engine, robot=robot, **kwargs("oxygen_observation")))
+        self.robot, self._namespace, self._parameters = robot, namespace, parameters
+        self.observation = build(lambda: ObservationNode(engine, robot=robot, **self._kwargs("oxygen_observation")))
         self.action = build(lambda: ActionPublisher(
             engine, inputs_fresh=self.observation and self.observation.inputs_fresh, robot=robot,
-            **kwargs("oxygen_action")))
-        self.conversation = build(lambda: ConversationService(engine, robot=robot, **kwargs("oxygen_conversation")))
+            **self._kwargs("oxygen_action")))
+        self.conversation = build(lambda: ConversationService(engine, robot=robot,
+                                                              **self._kwargs("oxygen_conversation")))
+        self.view = None
+
+    def _kwargs(self, node: str) -> dict:
+        from rclpy.parameter import Parameter
+
+        if self._parameters is None:
+            return {}
+        return dict(namespace=self._namespace,
+                    parameter_overrides=[Parameter(k, value=v) for k, v in self._parameters(node).items()])
+
+    def build_view(self, engine, build) -> None:
+        from .view.view_node import ViewNode
+
+        self.view = build(lambda: ViewNode(engine, self.observation, self.action, self.conversation,
+                                           robot=self.robot, **self._kwargs("oxygen_view")))
 
     def place(self, executors: Executors) -> list:
         # Questions and replies as service events (<ns>/oxygen/converse/_service_event, as ros2 service echo
@@ -177,7 +186,7 @@ class RobotNodes:
         self.action.enabled = self.action.active = False         # until the engine node is activated
         self.conversation.active = False
         return [(executors.inputs, self.observation), (executors.actions, self.action),
-                (executors.services, self.conversation)]
+                (executors.services, self.conversation), (executors.other, self.view)]
 
     def activate(self) -> None:
         self.conversation.active = self.action.active = True
@@ -191,7 +200,7 @@ class RobotNodes:
 
 class ProcessNodes:
     """The nodes around a configured engine (EngineNode's `attach`): each robot's (RobotNodes; one, "", or
-    a fleet's), and with the single robot the recorder, view and console; built at configure (their
+    a fleet's), and with the single robot the recorder and console; built at configure (their
     parameters are checked against the engine's model; every problem is listed), destroyed at cleanup."""
 
     def __init__(self, engine, executors: Executors, engine_node, record: str | None = None,
@@ -201,7 +210,6 @@ class ProcessNodes:
         from .console.console_node import ConsoleNode
         from .nodes.params import ParameterError
         from .record.recorder import Recorder, raw_topics
-        from .view.view_node import ViewNode
 
         self.executors = executors
         self.nodes = []
@@ -220,30 +228,32 @@ class ProcessNodes:
         if not fleet:
             self.robots = [RobotNodes(engine, build)]
         else:
-            # The recorder, view and console follow one robot's frames: a fleet runs without them for now.
+            # The recorder and the console follow one robot's frames: a fleet runs without them for now.
             problems += [f"--{flag}: not available with a fleet (robots: {', '.join(r.name for r in fleet)}) yet"
                          for flag, given in (("record", record), ("console", console_port)) if given]
             self.robots = [RobotNodes(engine, build, r.name, r.namespace, lambda node, r=r: r.parameters(node, files))
                            for r in fleet]
             problems += _shared_inputs(self.robots)
         single = self.robots[0]
-        self.recorder = self.view = self.console = None
+        self.recorder = self.console = None
+        if not problems:
+            for robot in self.robots:
+                robot.build_view(engine, build)
         if not problems and not fleet:
             self.recorder = build(lambda: Recorder(
                 engine, {"engine_params": engine_node.p, "conversation_params": single.conversation.p,
                          "camera_slots": single.observation.slots},
                 raw_topics(single.action, single.conversation, single.observation), single.action.names,
                 parameter_overrides=[Parameter("path", value=record)] if record else []))
-            self.view = build(lambda: ViewNode(engine, single.observation, single.action, single.conversation))
             self.console = build(lambda: ConsoleNode(
-                engine, single.action, single.conversation, single.observation, self.view,
+                engine, single.action, single.conversation, single.observation, single.view,
                 lambda: engine_node.state_label,
                 parameter_overrides=[Parameter("port", value=console_port)] if console_port else []))
         if problems:
             self.destroy()
             raise ParameterError("\n".join(problems))
         self._placed = [placed for robot in self.robots for placed in robot.place(executors)]
-        self._placed += [(executors.other, node) for node in (self.recorder, self.view, self.console) if node]
+        self._placed += [(executors.other, node) for node in (self.recorder, self.console) if node]
         for executor, node in self._placed:
             executor.add_node(node)
 

@@ -292,6 +292,20 @@ def test_each_robot_s_captions_come_on_its_memory_topic_from_its_frames(fleet):
     assert client.node.count_publishers("/oxygen/memory") == 0
 
 
+def test_each_robot_has_its_own_debug_picture(fleet):
+    from sensor_msgs.msg import Image
+
+    from ros_harness import wait_until
+
+    bringup, client, robots = fleet
+    pictures = {r: client.collect(Image, f"/{r}/oxygen/debug_image") for r in ("arm_a", "arm_b")}
+    assert wait_until(lambda: all(len(p) >= 2 for p in pictures.values()), 30), {r: len(p) for r, p in pictures.items()}
+    for robot, received in pictures.items():
+        for _, picture in list(received):
+            assert picture.encoding == "rgb8" and picture.width > 0
+            assert robots.whose(picture.header.stamp) == [robot], f"{robot}'s picture shows another robot's chunk"
+
+
 @pytest.mark.timing
 def test_a_stale_camera_stops_only_its_robot(fleet):
     from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus

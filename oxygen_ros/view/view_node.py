@@ -1,10 +1,12 @@
 """ViewNode (`oxygen_view`): publishes the debug picture (/oxygen/debug_image, sensor_msgs/Image, a few
 times a second) and, where the actions are end-effector poses, the chunk in 3D (/oxygen/chunk_markers,
-visualization_msgs/MarkerArray). Drawing lives in overlay.py; this node only gathers the newest frame,
-chunk and reply (engine-thread listeners store references and return) and renders on its timer. The
-newest picture is also kept as JPEG for the web console."""
+visualization_msgs/MarkerArray). Drawing lives in overlay.py; this node only gathers the newest chunk of
+its robot, the frame it was computed from and the latest reply (engine-thread listeners store references
+and return) and renders on its timer. The newest picture is also kept as JPEG for the web console. With a
+fleet there is one per robot, in its namespace."""
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -19,7 +21,7 @@ from std_msgs.msg import ColorRGBA
 from visualization_msgs.msg import Marker, MarkerArray
 
 from oxygen_ros.nodes.action_output import ros_time
-from oxygen_ros.nodes.engine_node import status
+from oxygen_ros.nodes.engine_node import status, status_name
 from oxygen_ros.nodes.params import Param, ParameterError, declare_all
 
 from .overlay import Camera, _gradient, render
@@ -39,8 +41,10 @@ PARAMS = [
 
 
 class ViewNode(Node):
-    def __init__(self, engine, observation, action, conversation, **node_kwargs):
+    def __init__(self, engine, observation, action, conversation, robot: str = "", **node_kwargs):
+        """robot: whose chunks and frames to draw (a fleet's robot name; "" for the single robot)."""
         super().__init__("oxygen_view", **node_kwargs)
+        self.robot = robot
         self.p, problems = declare_all(self, PARAMS)
         p = self.p
         self.camera = None
@@ -60,7 +64,10 @@ class ViewNode(Node):
         self.lower = np.asarray(action.p["lower_limits"], dtype=np.float64) if action.p["lower_limits"] else None
         self.upper = np.asarray(action.p["upper_limits"], dtype=np.float64) if action.p["upper_limits"] else None
         self._lock = threading.Lock()
-        self._obs = None
+        # Recent frames by index: the engine's frame listeners get every robot's frames, and a robot's chunk
+        # names the frame it was computed from. Bounded: a few cycles of every robot's frames.
+        self._frames: collections.OrderedDict = collections.OrderedDict()
+        self._max_frames = 4 * len(engine.robots)
         self._chunk = None
         self._rendered_chunk = None
         self.reply = ""
@@ -68,8 +75,8 @@ class ViewNode(Node):
         self._wanted_until = 0.0            # the console asked for pictures recently (monotonic time)
         self.pictures = 0
         engine.add_frame_listener(self._on_frame)
-        engine.add_chunk_listener(self._on_chunk)
-        engine.add_caption_listener(lambda c: self.set_reply(f"[caption] {c.text}"))
+        engine.add_chunk_listener(lambda c: c.robot == robot and self._on_chunk(c))
+        engine.add_caption_listener(lambda c: c.robot == robot and self.set_reply(f"[caption] {c.text}"))
         from oxygen_interfaces.srv import Converse
 
         self._questions: dict = {}
@@ -82,7 +89,10 @@ class ViewNode(Node):
 
     # engine thread: keep references only
     def _on_frame(self, index, obs) -> None:
-        self._obs = obs
+        with self._lock:
+            self._frames[index] = obs
+            while len(self._frames) > self._max_frames:
+                self._frames.popitem(last=False)
 
     def _on_chunk(self, chunk) -> None:
         self._chunk = chunk
@@ -113,8 +123,10 @@ class ViewNode(Node):
                 or (self.marker_pub is not None and self.marker_pub.get_subscription_count() > 0))
 
     def render_now(self) -> None:
-        obs, chunk = self._obs, self._chunk
-        if obs is None or chunk is None or chunk is self._rendered_chunk or not self._watched():
+        chunk = self._chunk
+        with self._lock:
+            obs = self._frames.get(chunk.plan.frame_index) if chunk is not None else None
+        if obs is None or chunk is self._rendered_chunk or not self._watched():
             return
         image = self._image(obs)
         if image is None:
@@ -142,7 +154,7 @@ class ViewNode(Node):
             return self.jpeg
 
     def diagnostics(self) -> list[DiagnosticStatus]:
-        return [status("oxygen_ros: view", DiagnosticStatus.OK, "ee path" if self.ee_path else "joint strip",
+        return [status(status_name("view", self.robot), DiagnosticStatus.OK, "ee path" if self.ee_path else "joint strip",
                        {"pictures": self.pictures})]
 
 
