@@ -67,6 +67,8 @@ oxygen_engine:
     transform: aloha
     norm_stats: /somewhere
     arm_c: {robot_config: droid}
+    arm_a: {robot_confg: droid}
+    robots.arm_b.namespace: /b
 oxygen_observation:
   ros__parameters: {prompt: x}
 /arm_z/oxygen_action:
@@ -91,6 +93,8 @@ oxygen_observation:
         "robots lists arm_a twice",
         "robots: 'bad-name' is not a robot name",
         "arm_c.robot_config is set but arm_c is not in robots",
+        "robots.arm_b.namespace: a robot's settings go under its name (arm_a: {namespace: ...}), not under robots",
+        "arm_a.robot_confg: 'robot_confg' is not a robot setting (one of namespace, robot_config, norm_stats, asset_id)",
         "oxygen_engine.transform is a robot's setting",
         "oxygen_engine.norm_stats is a robot's setting",
         "section oxygen_observation configures no robot of the fleet: name it /<namespace>/oxygen_observation",

@@ -201,8 +201,12 @@ def _stray_settings(names: list[str], namespaces: dict[str, str], files: ParamsF
     listed = ", ".join(names)
     for key in files.engine():
         robot, _, rest = key.partition(".")
-        if rest in ROBOT_KEYS and robot not in names:
+        if robot == "robots" and rest:
+            problems.append(f"{key}: a robot's settings go under its name (arm_a: {{namespace: ...}}), not under robots")
+        elif rest and robot not in names:         # the engine's own parameters have no dot
             problems.append(f"{key} is set but {robot} is not in robots [{listed}]: an unknown robot")
+        elif rest and rest not in ROBOT_KEYS:
+            problems.append(f"{key}: {rest!r} is not a robot setting (one of {', '.join(ROBOT_KEYS)})")
         elif key in ROBOT_IO_KEYS:
             problems.append(f"oxygen_engine.{key} is a robot's setting: with a fleet it comes from each "
                             "robot's robot_config")
