@@ -16,7 +16,7 @@ every robot has its chunk, so the per-robot action rate is horizon / round time.
 Deadlines: a robot's frame arrives at the start of its round; its chunk misses when it is ready more than
 the frame period (horizon / --action-rate-hz) later (a separate engine's robot also waits for the engines
 before it in the round). After the last round, decode-only cycles finish the replies (counted in the
-total time, as in the main benchmark).
+total time, as in the main benchmark). Repetitions interleave the settings, alternating which runs first.
 """
 from __future__ import annotations
 
@@ -200,7 +200,8 @@ def equivalence(batched: FleetRun, separate: FleetRun) -> dict:
 
 
 def run_fleet(model, cfg, a, n: int, log) -> dict:
-    """Both settings for N robots: warm-up, then --repeat repetitions interleaved (batched, separate, ...)."""
+    """Both settings for N robots: warm-up, then --repeat repetitions interleaved (batched, separate;
+    separate, batched; ...)."""
     robots = robot_names(n)
     loads = make_loads(n, a, cfg)
     batched, separate = build(model, n, a)
@@ -215,9 +216,12 @@ def run_fleet(model, cfg, a, n: int, log) -> dict:
         run_batched(batched, clocks["batched"], warm, a.warmup_frames)
         run_separate(separate, clocks["separate"], warm, a.warmup_frames)
     runs = {"batched": [], "separate": []}
-    for rep in range(a.repeat):
-        runs["batched"].append(run_batched(batched, clocks["batched"], loads, a.frames))
-        runs["separate"].append(run_separate(separate, clocks["separate"], loads, a.frames))
+    for rep in range(a.repeat):                 # the order alternates: neither always runs first
+        for name in (("batched", "separate") if rep % 2 == 0 else ("separate", "batched")):
+            if name == "batched":
+                runs[name].append(run_batched(batched, clocks[name], loads, a.frames))
+            else:
+                runs[name].append(run_separate(separate, clocks[name], loads, a.frames))
         log(f"robots {n} rep {rep + 1}/{a.repeat}: batched {runs['batched'][-1].total_s:.2f} s, "
             f"separate {runs['separate'][-1].total_s:.2f} s")
     out = {k: summarize(v, robots, cfg.action_horizon, frame_period) for k, v in runs.items()}
