@@ -137,6 +137,12 @@ oxygen_engine:
     assert "Traceback" not in r.stderr
 
 
+def test_robots_given_as_one_name_is_refused(tmp_path):
+    params = write(tmp_path / "fleet.yaml", "oxygen_engine:\n  ros__parameters:\n    model: tiny\n    robots: arm_a\n")
+    r = bringup("--params-file", str(params))
+    assert r.returncode == 2 and "robots = 'arm_a': a list of robot names, e.g. [arm_a]" in r.stderr, r.stderr
+
+
 def test_a_robot_config_and_a_fleet_together_are_refused():
     r = bringup("--robot", "droid", "--params-file", str(REPO / "config" / "fleet_example.yaml"))
     assert r.returncode == 2, r.stdout + r.stderr

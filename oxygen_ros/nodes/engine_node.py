@@ -195,6 +195,9 @@ class EngineNode(LifecycleNode):
     def _read_fleet(self) -> tuple[list[FleetRobot], list[str]]:
         """The robots of `robots` with their <name>.<key> parameters (declared here, at configure: their names
         come from `robots`), and every problem with them."""
+        given = self.get_parameter("robots").value
+        if isinstance(given, str):           # dynamically typed (an empty list's default): a bare name
+            return [], [f"robots = {given!r}: a list of robot names, e.g. [{given}]"]
         names = [str(n) for n in self.p["robots"]]
         if not names:
             return [], []

@@ -83,8 +83,11 @@ class ParamsFiles:
             except (OSError, yaml.YAMLError) as e:
                 self.problems.append(f"{path}: cannot read the parameters: {e}")
                 continue
+            if not isinstance(data, dict):
+                self.problems.append(f"{path}: not a ROS parameters file (node name: ros__parameters: ...)")
+                continue
             for node, body in data.items():
-                params = (body or {}).get("ros__parameters") or {} if isinstance(body, dict) else {}
+                params = body.get("ros__parameters") or {} if isinstance(body, dict) else {}
                 name = node if node == "/**" else _section_name(node)
                 self.sections.setdefault(name, {}).update(flatten(params))
 
@@ -135,7 +138,7 @@ def read_fleet(names: list[str], values: dict[str, dict], files: ParamsFiles) ->
     seen_names: set[str] = set()
     namespaces: dict[str, str] = {}
     for name in names:
-        if not _NAME.match(name):
+        if not valid_name(name):
             problems.append(f"robots: {name!r} is not a robot name (a letter, then letters, digits or _)")
             continue
         if name in seen_names:
@@ -152,7 +155,7 @@ def read_fleet(names: list[str], values: dict[str, dict], files: ParamsFiles) ->
         if namespace == "/":
             problems.append(f"{name}.namespace is '/': every robot of a fleet has a namespace of its own "
                             "(the single robot in / is `robots: []`)")
-        elif not all(_NAME.match(part) for part in namespace.strip("/").split("/")):
+        elif not all(valid_name(part) for part in namespace.strip("/").split("/")):
             problems.append(f"{name}.namespace {v.get('namespace')!r} is not a ROS namespace")
         elif namespace in namespaces:
             problems.append(f"{namespaces[namespace]} and {name} have the same namespace {namespace}: "
