@@ -1,9 +1,10 @@
 """One engine, many robots, on the ROS side (issue #17): the fleet declared in oxygen_engine's parameters
 (oxygen_ros/nodes/fleet.py), checked with every problem listed; then two robots on one engine in one
-process over DDS (a DROID-like arm with 8 action dims, an ALOHA-like one with 14), each on its own
-/<namespace>/oxygen/... interface, while this test process plays both robots' drivers."""
+process over DDS (a DROID-like arm with 8 action dims and norm stats of its own, an ALOHA-like one with
+14), each on its own /<namespace>/oxygen/... interface, while this test process plays both robots' drivers."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -244,7 +245,13 @@ class TwoRobots:
 def fleet(tmp_path_factory):
     from ros_harness import private_domain, running_bringup
 
-    params = write(tmp_path_factory.mktemp("fleet") / "fleet.yaml", FLEET)
+    folder = tmp_path_factory.mktemp("fleet")
+    # arm_a's own norm stats: every action quantile 0.25, so each of its actions un-normalises to 0.25 +
+    # (x + 1) / 2 * 1e-6 (openpi's formula) whatever the model says; arm_b has none (the model's units).
+    norm = write(folder / "arm_a_norm_stats.json", json.dumps({"norm_stats": {"actions": {
+        "mean": [0.25] * 8, "std": [0.0] * 8, "q01": [0.25] * 8, "q99": [0.25] * 8}}}))
+    params = write(folder / "fleet.yaml", FLEET.replace("arm_a: {robot_config: droid}",
+                                                        f"arm_a: {{robot_config: droid, norm_stats: '{norm}'}}"))
     with running_bringup(["--params-file", str(params), "--status-period", "2"], private_domain(31)) as (b, client):
         yield b, client, TwoRobots(client.node)
 
@@ -266,8 +273,12 @@ def test_each_robot_gets_commands_of_its_own_dims_from_its_own_observations(flee
         for _, c in list(chunks[robot]):
             assert (c.dim, c.horizon) == (dim, 10)                # the shared tiny model's horizon
             assert robots.whose(c.header.stamp) == [robot], "a chunk computed from another robot's observation"
+    # Each robot's own norm stats: arm_a's pin every action to 0.25 (to 1e-4), arm_b's model units vary.
     a = np.array([m.data for _, m in list(actions["arm_a"])])
-    assert np.all(a >= -1.0) and np.all(a <= 1.0) and np.all(a[:, 7] >= 0.0), "droid.yaml's limits apply to arm_a"
+    np.testing.assert_allclose(a, 0.25, atol=1e-4)
+    np.testing.assert_allclose(np.concatenate([c.actions for _, c in list(chunks["arm_a"])]), 0.25, atol=1e-4)
+    b = np.concatenate([c.actions for _, c in list(chunks["arm_b"])])
+    assert np.std(b) > 1e-2, "arm_b's actions are not arm_a's norm stats"
     # The single robot's names are not used by a fleet.
     assert client.node.count_publishers("/oxygen/action") == 0
     assert client.node.count_publishers("/arm_a/oxygen/action") == 1
