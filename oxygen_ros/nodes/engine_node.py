@@ -3,6 +3,8 @@
 The engine itself is not a ROS entity: it is a thread that owns the device. The other nodes of the
 process hold a reference to it (in-process handles: no KV and no image crosses DDS for language); they
 are built around it at configure by the `attach` callable the bringup gives (see AttachedNodes).
+With `robots` set (a fleet, nodes/fleet.py) it serves several robots, each with its nodes in its own
+namespace; its /diagnostics then has a status per robot (`oxygen_ros: <robot> engine`) besides the totals.
 
 Transitions (standard lifecycle services /oxygen_engine/change_state, get_state...):
   configure   read and check every parameter, load model, tokenizer, norm stats, KV pool; build the nodes
