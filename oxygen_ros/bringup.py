@@ -4,6 +4,7 @@ recorder, view, console; plus the simulated robot with --demo). Works with the R
     oxygen_bringup --robot libero --params-file my_overrides.yaml
     oxygen_bringup --demo                       # trained demo model + MuJoCo robot, closes the loop
     oxygen_bringup --demo --console 8080 --record /tmp/bag     # + operator console, + MCAP recording
+    oxygen_bringup --params-file config/fleet_example.yaml   # one engine, several robots (docs/fleet.md)
 
 Threads: the engine thread owns the device; the action publisher (70 Hz timer), the inputs and the
 services each have an executor thread of their own (see Executors), so image decoding or a service call never
