@@ -154,12 +154,13 @@ class RobotNodes:
         from .nodes.observation_node import ObservationNode
 
         self.robot, self._namespace, self._parameters = robot, namespace, parameters
-        self.observation = build(lambda: ObservationNode(engine, robot=robot, **self._kwargs("oxygen_observation")))
+        self.observation = build(lambda: ObservationNode(engine, robot=robot, **self._kwargs("oxygen_observation")),
+                                 robot)
         self.action = build(lambda: ActionPublisher(
             engine, inputs_fresh=self.observation and self.observation.inputs_fresh, robot=robot,
-            **self._kwargs("oxygen_action")))
+            **self._kwargs("oxygen_action")), robot)
         self.conversation = build(lambda: ConversationService(engine, robot=robot,
-                                                              **self._kwargs("oxygen_conversation")))
+                                                              **self._kwargs("oxygen_conversation")), robot)
         self.view = None
 
     def _kwargs(self, node: str) -> dict:
@@ -174,7 +175,7 @@ class RobotNodes:
         from .view.view_node import ViewNode
 
         self.view = build(lambda: ViewNode(engine, self.observation, self.action, self.conversation,
-                                           robot=self.robot, **self._kwargs("oxygen_view")))
+                                           robot=self.robot, **self._kwargs("oxygen_view")), self.robot)
 
     def place(self, executors: Executors) -> list:
         # Questions and replies as service events (<ns>/oxygen/converse/_service_event, as ros2 service echo
@@ -216,11 +217,12 @@ class ProcessNodes:
         self.nodes = []
         problems: list[str] = []
 
-        def build(make):
+        def build(make, robot: str = ""):
+            """The node `make` builds, or None with its problems listed (named with a fleet robot's name)."""
             try:
                 node = make()
             except ParameterError as e:
-                problems.extend(str(e).splitlines())
+                problems.extend(f"{robot}: {line}" if robot else line for line in str(e).splitlines())
                 return None
             self.nodes.append(node)
             return node

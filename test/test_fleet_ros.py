@@ -138,6 +138,23 @@ oxygen_engine:
     assert "Traceback" not in r.stderr
 
 
+def test_each_robot_s_node_problems_are_listed_with_its_name(tmp_path):
+    fleet = FLEET.replace("    state_topic: joint_states\n/arm_b/oxygen_action:",   # arm_b reads arm_a's joints
+                          "    state_topic: /arm_a/joint_states\n/arm_b/oxygen_action:")
+    assert fleet != FLEET
+    params = write(tmp_path / "fleet.yaml", fleet + """
+/arm_a/oxygen_action:
+  ros__parameters: {joint_names: [a, b]}
+""")
+    r = bringup("--params-file", str(params), "--record", str(tmp_path / "bag"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    for line in ("arm_a: joint_names has 2 names, the actions have 8 dimensions",
+                 "--record: not available with a fleet (robots: arm_a, arm_b) yet",
+                 "arm_a and arm_b both read their state from /arm_a/joint_states"):
+        assert line in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_robots_given_as_one_name_is_refused(tmp_path):
     params = write(tmp_path / "fleet.yaml", "oxygen_engine:\n  ros__parameters:\n    model: tiny\n    robots: arm_a\n")
     r = bringup("--params-file", str(params))
