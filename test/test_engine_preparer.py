@@ -18,6 +18,7 @@ ROBOTS = {"plain": RobotIOConfig(robot_action_dim=7),
 
 
 def make(small_model, **cfg):
+    cfg.setdefault("prepare_ahead", True)          # on a CPU model the default (auto) is off
     return build_engine(built_model=small_model, engine=EngineConfig(**cfg), kv_budget_mb=8.0, robots=ROBOTS)
 
 
@@ -107,8 +108,10 @@ def test_conversions_are_bounded_by_the_frame_rate_not_the_camera_rate(small_mod
     assert engine.stats.snapshot()["robots"]["plain"]["dropped_observations"] >= 150 - conversions - 1
 
 
-def test_prepare_ahead_off_converts_on_the_engine_thread(small_model):
-    engine = make(small_model, prepare_ahead=False)
+@pytest.mark.parametrize("setting", [False, None])
+def test_prepare_ahead_off_converts_on_the_engine_thread(small_model, setting):
+    engine = make(small_model, prepare_ahead=setting)        # None on a CPU model: off
+    assert engine.prepare_ahead is False
     got = Chunks(engine)
     engine.start()
     try:
