@@ -18,6 +18,7 @@ ROBOTS = {"plain": RobotIOConfig(robot_action_dim=7),
 
 
 def make(small_model, **cfg):
+    cfg.setdefault("prepare_ahead", True)          # on a CPU model the default (auto) is off
     return build_engine(built_model=small_model, engine=EngineConfig(**cfg), kv_budget_mb=8.0, robots=ROBOTS)
 
 
@@ -107,8 +108,10 @@ def test_conversions_are_bounded_by_the_frame_rate_not_the_camera_rate(small_mod
     assert engine.stats.snapshot()["robots"]["plain"]["dropped_observations"] >= 150 - conversions - 1
 
 
-def test_prepare_ahead_off_converts_on_the_engine_thread(small_model):
-    engine = make(small_model, prepare_ahead=False)
+@pytest.mark.parametrize("setting", [False, None])
+def test_prepare_ahead_off_converts_on_the_engine_thread(small_model, setting):
+    engine = make(small_model, prepare_ahead=setting)        # None on a CPU model: off
+    assert engine.prepare_ahead is False
     got = Chunks(engine)
     engine.start()
     try:
@@ -138,3 +141,37 @@ def test_a_full_resolution_frame_is_converted_off_the_engine_thread(small_model,
         assert engine.stop()
     snap = engine.stats.snapshot()
     assert snap["counters"]["frames_prepared_ahead"] == 1 and snap["prepare_ms_mean"] == 0.0
+
+
+def test_the_preparer_converts_once_per_cycle_and_just_before_the_cycle_ends():
+    """The timing rule without threads, on a simulated clock: a conversion may start its measured duration
+    before the running cycle's predicted end, once per robot per cycle (again once its result is taken)."""
+    from conftest import SimClock
+    from oxygen_ros.engine.intake import Intake, Pending, PreparerThread
+
+    clock = SimClock(100.0)
+    intake = Intake(("a",))
+    prep = PreparerThread(intake, {}, clock)
+    prep._cycle_s, prep._prepare_s["a"] = 0.2, 0.05          # measured: 200 ms cycles, 50 ms conversions
+    raw = Pending(obs=object(), noise=None, deadline=0.0)
+
+    def take():
+        with intake.cv:
+            return prep._next()
+
+    intake.put("a", raw)
+    prep.cycle_started(clock())                            # the cycle ends at about 100.2
+    assert prep.not_before == pytest.approx(100.15)
+    assert take() is None, "too early: the frame would be stale by the time the cycle takes it"
+    clock.advance(0.16)
+    assert take() == ("a", raw) and intake.raw["a"] is None
+    intake.put_ready("a", raw)
+    intake.put("a", raw)                                    # a newer image during the same cycle...
+    assert take() is None, "...is not converted again while the prepared one waits"
+    prep.cycle_ended(0.2, frame=True)
+    taken, deferred = intake.take_due(limit=1, prepared_only=True)
+    assert taken == {"a": raw} and deferred == [] and intake.raw["a"] is raw
+    prep.cycle_started(clock())
+    assert take() is None                                   # the next cycle's lead applies again
+    prep.cycle_ended(0.2, frame=True)                        # between cycles: at once
+    assert take() == ("a", raw)

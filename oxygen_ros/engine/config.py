@@ -29,8 +29,10 @@ class EngineConfig:
     min_tokens_per_frame: int = setting(1, "Decode steps every active request gets per frame even when late.",
                                         minimum=0)
     max_active_requests: int = setting(32, "Largest decode batch.", minimum=1)
-    prepare_ahead: bool = setting(True, "Convert camera images (rotation, resize) on a preparer thread ahead of "
-                                        "each cycle instead of on the engine thread.")
+    # None: on when the model runs on CUDA (the CPU is free while the device computes). On a CPU-only host
+    # the conversion and the model compete for the same cores: measured slower there (README, issue #12).
+    prepare_ahead: bool | None = setting(None, "Convert camera images (rotation, resize) on a preparer thread "
+                                               "ahead of each cycle instead of on the engine thread.", ros=False)
     max_robots_per_cycle: int = setting(8, "Most robots' frames prefilled and denoised together in one cycle; "
                                            "more pending wait for the next cycle, earliest deadline first.",
                                         minimum=1)

@@ -162,6 +162,8 @@ class Engine:
         # Admission keeps room for the next cycle's prefills: up to max_robots_per_cycle frames.
         self.scheduler = Scheduler(self.config, pool.blocks, tokenizer, per_cycle * prefix_blocks, prefix_blocks, self.stats,
                                    lambda: self.clock(), self.robots)
+        self.prepare_ahead = self.config.prepare_ahead if self.config.prepare_ahead is not None else \
+            runner.model.device.type == "cuda"
         self._intake = Intake(self.robots)
         self._preparer_thread = PreparerThread(self._intake, self.preparers, lambda: self.clock())
         self._lock = threading.Lock()                       # guards the listener lists
@@ -276,7 +278,7 @@ class Engine:
                 raise RuntimeError("the previous engine thread has not stopped yet: cannot start another")
         self._stop.clear()
         self.scheduler.reopen()
-        if self.config.prepare_ahead:
+        if self.prepare_ahead:
             self._preparer_thread.start()
         self._thread = threading.Thread(target=self._loop, name="oxygen-engine", daemon=True)
         self._thread.start()
@@ -332,7 +334,7 @@ class Engine:
 
     # ================================================================== engine thread
     def _loop(self) -> None:
-        ahead = self.config.prepare_ahead          # frames come prepared by the preparer thread
+        ahead = self.prepare_ahead                 # frames come prepared by the preparer thread
         try:
             while not self._stop.is_set():
                 self._intake.wait(self.frame_period, prepared_only=ahead)
@@ -598,7 +600,7 @@ class Engine:
             batch = sched.decode_batch()
             if not sched.budget.another_step(steps, self.clock(), deadline, len(batch)):
                 break
-            if not frames and self._intake.pending(prepared_only=self._thread is not None and self.config.prepare_ahead):
+            if not frames and self._intake.pending(prepared_only=self._thread is not None and self.prepare_ahead):
                 report.preempted = True        # a new frame is waiting: actions first
                 break
             s = self.clock()

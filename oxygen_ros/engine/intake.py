@@ -116,7 +116,7 @@ class PreparerThread:
         """A frame cycle began: the next conversions are due shortly before its predicted end."""
         with self.intake.cv:
             self._cycle += 1
-            lead = 1.5 * sum(self._prepare_s.values())
+            lead = sum(self._prepare_s.values())        # ends as the cycle is predicted to end
             self.not_before = start + max(0.0, self._cycle_s - lead)
             self.intake.cv.notify_all()
 
