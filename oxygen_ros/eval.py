@@ -1,6 +1,8 @@
-"""Closed-loop evaluation of the demo model in the MuJoCo reach scene, through the engine (in-process).
+"""Closed-loop evaluation of the demo model in the MuJoCo reach scene, through the engine (in-process),
+or through the whole ROS path (--ros).
 
     python -m oxygen_ros.eval --episodes 50 --json eval.json
+    python -m oxygen_ros.eval --ros --episodes 30 --json eval_ros.json
 
 For each seeded episode (a random layout of 2-3 cubes and a random named cube): the scripted expert, then
 the model under each engine policy (isolated, shared_kv, oxygen: the same episodes, the same noise), then
@@ -8,12 +10,25 @@ the *swap test* (same scene and start, another cube named), and the scene questi
 frame. Control: the engine's chunk is computed from the current camera image and joint state every
 `--replan` control ticks (70 Hz) and its next `--replan` rows are executed (receding horizon, as openpi
 evaluates). Success: the tip touches the named cube (scene.TOUCH_RADIUS) within `--steps` ticks.
+
+--ros: `oxygen_bringup --demo` in a subprocess on a private DDS domain: the engine node, the observation
+node (camera and joint-state topics synchronised), the 70 Hz action publisher (chunks sampled by time,
+velocity limit) and the simulated robot node in wall time, as the demo runs. The robot's episodes are
+the in-process episodes of the same seed (ReachEpisodes draws episode k as `evaluate` does), each lasting
+`--steps` ticks of simulated time; success is judged by the simulator and read from its log lines.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -29,7 +44,7 @@ from oxygen_ros.robot.policy_io import RobotIOConfig
 from oxygen_ros.robot.sync import Observation
 from oxygen_ros.sim.expert import expert_chunk, inverse_kinematics
 from oxygen_ros.sim.questions import scene_questions
-from oxygen_ros.sim.scene import Layout, ReachScene, task_prompt, touch_point
+from oxygen_ros.sim.scene import CONTROL_PERIOD_S, Layout, ReachScene, task_prompt, touch_point
 
 CAMERA_SLOT = "base_0_rgb"
 
@@ -199,6 +214,83 @@ def evaluate(episodes: int, seed: int = 0, steps: int = 210, replan: int = 10, p
     return out
 
 
+# ---------------------------------------------------------------------------------------------- ROS path
+
+_OUTCOME = re.compile(r"episode (\d+): '([^']*)': (?:touched in ([\d.]+) s|timed out ([\d.]+) cm away)")
+_ANSWERS = re.compile(r"\[converse\] .*; (\d+)/(\d+) right\]")
+
+
+def _ros_params(seed: int, episode_s: float, checkpoint: Path | None) -> Path:
+    """A parameters file for the bringup: the robot's episode seed and length, optionally other weights."""
+    text = f"oxygen_sim_robot:\n  ros__parameters:\n    seed: {seed}\n    episode_s: {episode_s}\n"
+    if checkpoint is not None:
+        checkpoint = Path(checkpoint).resolve()
+        text += (f"oxygen_engine:\n  ros__parameters:\n    checkpoint: '{checkpoint}'\n"
+                 f"    norm_stats: '{checkpoint / 'norm_stats.json'}'\n")
+    fd, path = tempfile.mkstemp(prefix="oxygen_eval_ros_", suffix=".yaml")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return Path(path)
+
+
+def evaluate_ros(episodes: int, seed: int = 1000, steps: int = 210, checkpoint: Path | None = None,
+                 domain: int | None = None, startup_timeout_s: float = 120.0, log=print) -> dict:
+    """Run the demo bringup until its robot has finished `episodes` episodes; their outcomes and the
+    demo client's answers, as the simulator and the client judged them."""
+    episode_s = steps * CONTROL_PERIOD_S
+    params = _ros_params(seed, episode_s, checkpoint)
+    domain = domain if domain is not None else 1 + os.getpid() % 100
+    env = dict(os.environ, ROS_DOMAIN_ID=str(domain), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "oxygen_ros.bringup", "--demo", "--params-file", str(params)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in proc.stdout), daemon=True)
+    reader.start()
+    start = time.monotonic()
+    deadline = start + startup_timeout_s + episodes * (episode_s + 2.0)
+    outcomes: list[dict] = []
+    try:
+        while len(outcomes) < episodes:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the bringup exited with {proc.returncode}:\n" + "\n".join(lines[-30:]))
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(outcomes)}/{episodes} episodes before the deadline:\n"
+                                   + "\n".join(lines[-30:]))
+            time.sleep(0.1)
+            found = {}          # by episode (a log line may reach the output twice: console and /rosout)
+            for m in filter(None, map(_OUTCOME.search, list(lines))):
+                found.setdefault(int(m[1]), m)
+            for m in list(found.values())[len(outcomes):episodes]:
+                outcomes.append({"episode": int(m[1]), "prompt": m[2], "success": m[3] is not None,
+                                 "seconds": float(m[3]) if m[3] else None,
+                                 "distance_cm": float(m[4]) if m[4] else None})
+                log(f"[eval --ros] episode {m[1]}: {m[2]!r} {'ok' if m[3] else 'FAIL ' + m[4] + ' cm'}")
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)         # the bringup's orderly shutdown
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        reader.join(5)
+        params.unlink(missing_ok=True)
+    answers = [m for m in map(_ANSWERS.search, lines) if m]
+    status = [line for line in lines if line.startswith("[status] actions")]
+    ok = [o["seconds"] for o in outcomes if o["success"]]
+    return {
+        "path": "ros", "episodes": episodes, "seed": seed, "steps": steps, "control_hz": 70,
+        "success_rate": float(np.mean([o["success"] for o in outcomes])),
+        "mean_s_to_touch": float(np.mean(ok)) if ok else None,
+        "failures_final_distance_cm": sorted(o["distance_cm"] for o in outcomes if not o["success"]),
+        "outcomes": outcomes,
+        "demo_client_answers": {"right": int(answers[-1][1]), "asked": int(answers[-1][2])} if answers else None,
+        "last_status": status[-1] if status else None,
+        "wall_s": round(time.monotonic() - start, 1),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, engine 1 torch thread",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Evaluate the demo model closed-loop in MuJoCo through the engine.")
     p.add_argument("--episodes", type=int, default=50)
@@ -209,9 +301,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", type=Path, default=None, help="default: the shipped demo weights")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--strip", type=Path, default=None, help="PNG: frames of the first episode (README picture)")
+    p.add_argument("--ros", action="store_true",
+                   help="through oxygen_bringup --demo and the simulated robot node (ROS 2), in wall time")
     a = p.parse_args(argv)
-    out = evaluate(a.episodes, a.seed, a.steps, a.replan, tuple(a.policies.split(",")), a.checkpoint,
-                   strip=a.strip)
+    if a.ros:
+        out = evaluate_ros(a.episodes, a.seed, a.steps, a.checkpoint)
+    else:
+        out = evaluate(a.episodes, a.seed, a.steps, a.replan, tuple(a.policies.split(",")), a.checkpoint,
+                       strip=a.strip)
     text = json.dumps(out, indent=1)
     if a.json:
         a.json.write_text(text + "\n")

@@ -112,29 +112,43 @@ def test_scene_questions_have_the_true_answers():
 def test_episodes_count_successes_and_timeouts_in_wall_time():
     world = ReachEpisodes(seed=3, episode_s=2.0, pause_s=0.5)
     clock = 100.0
-    world.advance(clock)
-    first_prompt, first_layout = world.prompt, world.layout
-    assert world.tally.episodes == 0 and "episodes 0/0" in world.status()
-    # Expert chunks played at the control rate: touched, counted, and after the pause a new task.
+    assert world.advance(clock), "the first task is announced at once"
+    assert world.tally.episodes == 0 and "episodes 0/0" in world.status() and "getting ready" in world.status()
+    # Episode k is the in-process evaluation's episode k of the same seed.
+    rng = np.random.default_rng([3, 0])
+    layout = Layout.random(rng)
+    assert world.layout.colours == layout.colours and world.target == int(rng.integers(len(layout.colours)))
+    np.testing.assert_array_equal(world.layout.positions, layout.positions)
+    # Ready phase: commands (computed for another task or pose) are ignored and the arm holds its start.
+    world.set_command(world.layout.start + 0.5)
+    announced = [world.advance(clock + t) for t in (0.1, 0.2, 0.3, 0.4, 0.5 + CONTROL_PERIOD_S)]
+    assert announced == [False] * 4 + [True], "the running phase announces the task again"
+    np.testing.assert_allclose(world.joints(), world.layout.start, atol=1e-9)
+    assert world.command is None and world.running
+    clock += 0.5 + CONTROL_PERIOD_S
+    # Expert chunks played at the control rate: touched, counted, and at once the next task gets ready.
+    first_prompt = world.prompt
     goal = inverse_kinematics(touch_point(world.layout.positions[world.target]))
-    started = False
+    announced = False
     for k in range(400):
         if k % 10 == 0:
             chunk = expert_chunk(world.joints(), goal, 20)
         world.set_command(chunk[k % 10])
         clock += CONTROL_PERIOD_S
-        started = world.advance(clock)
-        if started:
+        announced = world.advance(clock)
+        if announced:
             break
-    assert started and world.tally.episodes == 1 and world.tally.successes == 1
-    assert "touched the" in world.last_outcome and world.layout is not first_layout
-    assert world.command is None, "a new episode waits for the policy's command"
-    # No command: the arm holds its start pose and the episode times out after episode_s.
-    for _ in range(21):
+    assert announced and world.tally.episodes == 1 and world.tally.successes == 1
+    outcome = world.outcomes[0]
+    assert outcome.success and outcome.index == 0 and outcome.prompt == first_prompt and outcome.distance_cm <= 4.0
+    assert world.last_outcome == f"episode 0: '{first_prompt}': touched in {outcome.seconds:.2f} s"
+    assert not world.running and world.command is None and world.episode_index == 1
+    # No command: after the ready phase the arm holds its start pose and the episode times out after episode_s.
+    for _ in range(26):
         clock += 0.1
         world.advance(clock)
     assert world.tally.episodes == 2 and world.tally.successes == 1 and "timed out" in world.last_outcome
-    assert first_prompt.startswith("touch the ") and world.prompt.startswith("touch the ")
+    assert not world.outcomes[1].success and 2.0 <= world.outcomes[1].seconds <= 2.0 + CONTROL_PERIOD_S + 1e-3
     world.close()
 
 
@@ -268,7 +282,8 @@ def test_node_publishes_tasks_images_states_and_follows_commands(ros_context):
     probe.wait(lambda: node.rejected_count >= 2 or node.command_count > 0, 5.0, "two rejected commands")
     assert node.command_count == 0
 
-    # A command: the joint states go there (position servos).
+    # A command once the episode runs (the ready phase ignores them): the joint states go there.
+    probe.wait(lambda: world.running and len(probe.prompts) >= 2, 5.0, "the episode to run, announced again")
     target = world.layout.start + np.array([0.3, -0.2, 0.25])
     commands.publish(Float64MultiArray(data=target.tolist()))
     probe.wait(lambda: node.command_count >= 1, 5.0, "the command to arrive")
@@ -304,7 +319,7 @@ def test_node_joint_state_commands_and_bad_parameters(ros_context):
     executor.add_node(node)
     executor.add_node(probe_node)
     thread.start()
-    probe.wait(lambda: len(probe.states) >= 2, 10.0, "joint states")
+    probe.wait(lambda: len(probe.states) >= 2 and node.world.running, 10.0, "joint states, the episode running")
     expected = [0.2, 0.4, 1.0]
     deadline = time.monotonic() + 5.0  # a reliable publisher may still be matching: resend until taken
     while node.command_count == 0 and time.monotonic() < deadline:

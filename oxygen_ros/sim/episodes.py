@@ -1,9 +1,16 @@
 """Episodes of the reach task run in wall time, for the demo's simulated robot node (no ROS here).
 
 The world advances in whole control periods of simulated time to catch up with the clock it is given,
-holding the newest joint command. An episode ends when the tip touches the named cube (success), or
-after `episode_s` (failure); the next one starts after `pause_s` with a new layout and a new task prompt,
-drawn from `seed`.
+holding the newest joint command. Each episode has two phases:
+- *ready* (`pause_s`): the new layout is shown and its task announced (`advance` returns True: the node
+  publishes the prompt), the arm holds its start pose and commands are ignored. Commands in flight were
+  computed for the previous task and pose (chunks in the action publisher, its velocity limit ramping
+  from the last command): executed, they yanked the arm back towards where the last episode ended, and
+  the first task was not announced before its episode was over.
+- *running*: the newest command is followed; the episode ends when the tip touches the named cube
+  (success) or after `episode_s` (failure), and the next ready phase starts.
+Episode k's layout and named cube are drawn from seed (seed, k), as the in-process evaluation draws its
+episode k (oxygen_ros/eval.py): the same seed gives the same scenes on both paths.
 """
 from __future__ import annotations
 
@@ -19,6 +26,19 @@ from .scene import CONTROL_PERIOD_S, JOINT_NAMES, Layout, ReachScene, task_promp
 MAX_CATCH_UP_STEPS = 35     # after a stall (a slow render, a busy CPU) jump ahead instead of racing
 
 
+@dataclass(frozen=True)
+class EpisodeOutcome:
+    index: int
+    prompt: str
+    success: bool
+    seconds: float          # simulated time from the start of the running phase
+    distance_cm: float      # tip to the named cube's touch point at the end
+
+    def line(self) -> str:
+        result = f"touched in {self.seconds:.2f} s" if self.success else f"timed out {self.distance_cm:.1f} cm away"
+        return f"episode {self.index}: '{self.prompt}': {result}"
+
+
 @dataclass
 class EpisodeTally:
     episodes: int = 0
@@ -31,15 +51,15 @@ class EpisodeTally:
 class ReachEpisodes:
     def __init__(self, seed: int = 0, image_size: int = 64, episode_s: float = 4.0, pause_s: float = 0.7):
         self.scene = ReachScene(image_size)
-        self.rng = np.random.default_rng(seed)
-        self._question_rng = np.random.default_rng([seed, 1])   # questions never shift the episodes
+        self.seed = seed
+        self._question_rng = np.random.default_rng([seed, 1 << 20])   # questions never shift the episodes
         self.episode_s, self.pause_s = episode_s, pause_s
         self.tally = EpisodeTally()
+        self.outcomes: list[EpisodeOutcome] = []
         self.command: np.ndarray | None = None
-        self.last_outcome = ""
         self._clock: float | None = None
         self._episode_start = 0.0
-        self._pause_until: float | None = None
+        self._ready_until: float | None = None    # None: running
         self.episode_index = -1
         self._questions_asked = 0
         self._new_episode()
@@ -59,9 +79,17 @@ class ReachEpisodes:
     def render(self, camera: str, size: int | None = None) -> np.ndarray:
         return self.scene.render(camera, size)
 
+    @property
+    def running(self) -> bool:
+        return self._ready_until is None
+
+    @property
+    def last_outcome(self) -> str:
+        return self.outcomes[-1].line() if self.outcomes else ""
+
     def status(self) -> str:
-        return (f"task '{self.prompt}' (tip {self.scene.distance_to(self.target) * 100:.0f} cm away) | "
-                f"episodes {self.tally.line()}") + (
+        return (f"task '{self.prompt}' (tip {self.scene.distance_to(self.target) * 100:.0f} cm away"
+                f"{'' if self.running else ', getting ready'}) | episodes {self.tally.line()}") + (
             f", last: {self.last_outcome}" if self.last_outcome else "")
 
     def next_question(self) -> Question:
@@ -95,43 +123,53 @@ class ReachEpisodes:
 
     # ------------------------------------------------------------------ time
     def advance(self, now: float) -> bool:
-        """Simulate up to `now` (seconds, any monotonic clock). True when a new episode started."""
+        """Simulate up to `now` (seconds, any monotonic clock). True when the task should be announced
+        (a ready phase began, or the running phase: a second announcement for a subscriber that missed
+        the first)."""
         if self._clock is None:
             self._clock = now
+            announce = True             # the first episode's ready phase starts with the first call
+            self._ready_until = now + self.pause_s
+        else:
+            announce = False
         steps = int((now - self._clock) / CONTROL_PERIOD_S)
         self._clock += steps * CONTROL_PERIOD_S
         if steps > MAX_CATCH_UP_STEPS:
             self._clock = now
             steps = MAX_CATCH_UP_STEPS
-        started = False
         for _ in range(steps):
-            if self._pause_until is not None:
-                if self._clock >= self._pause_until:
-                    self._new_episode()
-                    started = True
+            if self._ready_until is not None:
+                if self._clock >= self._ready_until:
+                    self._ready_until = None
+                    self.command = None     # commands from the ready phase were for the held start pose
+                    self._episode_start = self.scene.time
+                    announce = True
                 continue
             self.scene.step(self.command if self.command is not None else self.layout.start)
             elapsed = self.scene.time - self._episode_start
             if self.scene.touching() == self.target:
-                self._finish(True, f"touched the {self.layout.colours[self.target]} cube in {elapsed:.1f} s")
+                self._finish(True, elapsed)
+                announce = True
             elif elapsed >= self.episode_s:
-                self._finish(False, f"timed out ({self.scene.distance_to(self.target) * 100:.0f} cm away)")
-        return started
+                self._finish(False, elapsed)
+                announce = True
+        return announce
 
-    def _finish(self, success: bool, outcome: str) -> None:
+    def _finish(self, success: bool, elapsed: float) -> None:
         self.tally.episodes += 1
         self.tally.successes += success
-        self.last_outcome = outcome
-        self._pause_until = self._clock + self.pause_s
+        self.outcomes.append(EpisodeOutcome(self.episode_index, self.prompt, success, round(elapsed, 3),
+                                            round(self.scene.distance_to(self.target) * 100, 1)))
+        self._new_episode()
+        self._ready_until = self._clock + self.pause_s
 
     def _new_episode(self) -> None:
-        layout = Layout.random(self.rng)
-        self.target = int(self.rng.integers(len(layout.colours)))
+        self.episode_index += 1
+        rng = np.random.default_rng([self.seed, self.episode_index])    # as eval.py draws episode k
+        layout = Layout.random(rng)
+        self.target = int(rng.integers(len(layout.colours)))
         self.scene.reset(layout)
         self.command = None          # hold the start pose until the policy's first command for this task
-        self._episode_start = self.scene.time
-        self._pause_until = None
-        self.episode_index += 1
 
     def close(self) -> None:
         self.scene.close()

@@ -1,6 +1,7 @@
 """Rendered training data for the demo model: closed-loop rollouts of the scripted expert in the reach
-scene, with noise injected into the executed commands (so the data also shows how to come back to the
-path), sampled at random steps. Each sample: the base camera image, the joint state, the expert's next
+scene, executed the way the policy is served (a chunk's rows in turn, a new chunk every few ticks), with
+noise injected into the executed commands (so the data also shows how to come back to the path), sampled
+at random steps. Each sample: the base camera image, the joint state, the expert's next
 action chunk from that state, and the scene's ground truth (for the questions, drawn at training time).
 
 Cached to disk in shards of `SHARD_SIZE` samples (`shard_00000.npz`, ...): shard k is generated from seed
@@ -20,12 +21,12 @@ from oxygen_ros.sim.scene import COLOUR_NAMES, MAX_CUBES, Layout, ReachScene, to
 SHARD_SIZE = 500
 SAMPLES_PER_EPISODE = 6
 EPISODE_STEPS = 120            # expert reaches in ~40-90 steps at 70 Hz, then holds
-COMMAND_NOISE = 0.03           # rad, std of the noise added to the executed command
-# Shards 0-31 (the first training run) executed only each chunk's first row, re-planning every tick: with
-# the arm's soft servos that crawls, and states near the cubes were rare. Later shards execute REPLAN rows
-# per chunk, as the evaluation does.
-REPLAN = 10
-REPLAN_FROM_SHARD = 32
+COMMAND_NOISE = 0.03           # rad, std of the noise added to each executed command
+CHUNK_OFFSET_NOISE = 0.04      # rad, std of an offset held for a whole executed chunk: off-path states
+# Rows executed per chunk, drawn per episode: the evaluation executes 10, the ROS action publisher a few
+# (a new chunk every frame, rows skipped for latency). An expert re-planning every tick and executing
+# only row 0 (the first data) crawls behind the arm's soft servos, and states near the cubes were rare.
+REPLAN_RANGE = (1, 10)
 
 
 def generate_shard(seed: int, shard: int, image_size: int, horizon: int,
@@ -39,6 +40,7 @@ def generate_shard(seed: int, shard: int, image_size: int, horizon: int,
         target = int(rng.integers(len(layout.colours)))
         goal = inverse_kinematics(touch_point(layout.positions[target]))
         picks = set(rng.choice(EPISODE_STEPS, size=SAMPLES_PER_EPISODE, replace=False).tolist())
+        replan = int(rng.integers(REPLAN_RANGE[0], REPLAN_RANGE[1] + 1))
         colours = np.full(MAX_CUBES, -1)
         colours[:len(layout.colours)] = [COLOUR_NAMES.index(c) for c in layout.colours]
         positions = np.zeros((MAX_CUBES, 3))
@@ -46,13 +48,8 @@ def generate_shard(seed: int, shard: int, image_size: int, horizon: int,
         for step in range(EPISODE_STEPS):
             q = scene.joints()
             chunk = expert_chunk(q, goal, horizon)
-            if shard >= REPLAN_FROM_SHARD:
-                # Executed as evaluated and served: a chunk's rows in turn, a new chunk every REPLAN ticks.
-                if step % REPLAN == 0:
-                    executed = chunk
-                command = executed[step % REPLAN]
-            else:
-                command = chunk[0]
+            if step % replan == 0:
+                executed, offset = chunk, rng.normal(0.0, CHUNK_OFFSET_NOISE, size=3)
             if step in picks and len(out["image"]) < size:
                 out["image"].append(scene.render("base"))
                 out["state"].append(q)
@@ -61,7 +58,7 @@ def generate_shard(seed: int, shard: int, image_size: int, horizon: int,
                 out["colours"].append(colours)
                 out["positions"].append(positions)
                 out["tip"].append(scene.tip())
-            scene.step(command + rng.normal(0.0, COMMAND_NOISE, size=3))
+            scene.step(executed[step % replan] + offset + rng.normal(0.0, COMMAND_NOISE, size=3))
     scene.close()
     return {k: np.stack(v).astype(np.uint8 if k == "image" else np.float32 if k != "target" and k != "colours"
                                   else np.int64) for k, v in out.items()}
