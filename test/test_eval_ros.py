@@ -27,3 +27,16 @@ def test_the_shipped_weights_touch_the_named_cube_through_ros():
     assert out["success_rate"] == successes / EPISODES
     # The demo client's questions went through the conversation service and were judged.
     assert out["demo_client_answers"] is not None and out["demo_client_answers"]["asked"] >= 1, out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ros", "--replan", "5"], "in-process evaluation only"),
+    (["--ros", "--strip", "x.png"], "in-process evaluation only"),
+    (["--episodes", "0"], "must be positive"),
+])
+def test_options_that_do_not_apply_are_refused(argv, message, capsys):
+    from oxygen_ros.eval import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

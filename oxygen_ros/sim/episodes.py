@@ -52,7 +52,8 @@ class ReachEpisodes:
     def __init__(self, seed: int = 0, image_size: int = 64, episode_s: float = 4.0, pause_s: float = 0.7):
         self.scene = ReachScene(image_size)
         self.seed = seed
-        self._question_rng = np.random.default_rng([seed, 1 << 20])   # questions never shift the episodes
+        # Questions never shift the episodes: their own stream, not one of the per-episode seeds (seed, k).
+        self._question_rng = np.random.default_rng([seed, 1 << 20])
         self.episode_s, self.pause_s = episode_s, pause_s
         self.tally = EpisodeTally()
         self.outcomes: list[EpisodeOutcome] = []
