@@ -14,16 +14,18 @@
 #   microbench        each Triton kernel against torch SDPA / eager at pi0.5 size in bf16;
 #   bench             the side-by-side benchmark (isolated, shared_kv, oxygen) at full pi0.5 size with
 #                     random bf16 weights at the paper's workload, with CUDA graphs;
-#   bench_eager       oxygen alone without CUDA graphs (what the graphs buy).
+#   bench_eager       oxygen alone without CUDA graphs (what the graphs buy);
+#   fleet             issue #17's fleet benchmark at full size: N = 1, 2, 4 robots on one engine vs N
+#                     single-robot engines (runs last: only if the budget has room left).
 # The random weights are built once on the CPU (a float64 RNG: the slow part), in the background while the
 # kernel steps run, and saved for both benches.
 #
 # Results, all under $OUT (default ./gpu_out; at most 8 files come back from a device run, here 5):
 #   summary.json  environment (GPU, driver, versions, date) + each step's exit code, seconds and log tail,
 #                 rewritten after every step; steps.log  every step's full output;
-#   microbench.json, bench_<preset>.json, bench_<preset>_eager.json.
+#   microbench.json, bench_<preset>.json, bench_<preset>_eager.json, fleet_<preset>.json.
 #
-# Knobs (environment): GPU_CHECK_STEPS=kernel_tests,microbench,bench,bench_eager (a rerun of some only),
+# Knobs (environment): GPU_CHECK_STEPS=kernel_tests,microbench,bench,bench_eager,fleet (a rerun of some only),
 # GPU_CHECK_BUDGET_S, GPU_CHECK_DEVICE=cpu (rehearsal on a machine without a GPU: kernels through the
 # Triton interpreter, the `tiny` preset, microbench --cpu-smoke), GPU_CHECK_PRESET, GPU_CHECK_PYTEST_ARGS
 # (extra pytest arguments, e.g. -k to select), PYTHON (default python3).
@@ -33,7 +35,7 @@ OUT="$(mkdir -p "${OUT:-gpu_out}" && cd "${OUT:-gpu_out}" && pwd)"
 PY="${PYTHON:-python3}"
 DEVICE="${GPU_CHECK_DEVICE:-cuda}"
 BUDGET="${GPU_CHECK_BUDGET_S:-330}"
-STEPS=",${GPU_CHECK_STEPS:-kernel_tests,microbench,bench,bench_eager},"
+STEPS=",${GPU_CHECK_STEPS:-kernel_tests,microbench,bench,bench_eager,fleet},"
 if [[ "$DEVICE" == cuda ]]; then PRESET="${GPU_CHECK_PRESET:-pi05}"; else PRESET="${GPU_CHECK_PRESET:-tiny}"; fi
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/oxygen_gpu_check.XXXXXX")"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 TRITON_CACHE_DIR="$WORK/triton_cache"
@@ -103,11 +105,13 @@ if [[ "$DEVICE" == cuda ]]; then
   MICRO=()
   BENCH=(--frames 8 --repeat 3 --warmup-frames 2)
   EAGER=(--frames 8 --repeat 1 --warmup-frames 2)
+  FLEET=(--frames 4 --repeat 1 --warmup-frames 1 --robots 1,2,4)
 else
   KERNEL_ENV=(env)
   MICRO=(--cpu-smoke --quick --reps 1)
   BENCH=(--frames 2 --repeat 1 --warmup-frames 1 --check-frames 1)
   EAGER=(--frames 2 --repeat 1 --warmup-frames 1 --check-frames 0)
+  FLEET=(--frames 1 --repeat 1 --warmup-frames 0 --robots 2)
 fi
 # The benches' weights, built once and saved in openpi layout for both benches (loaded with the shipped small
 # tokenizer: random weights have no tokenizer of their own). Building full-size random weights is CPU work
@@ -121,7 +125,7 @@ dtype = torch.bfloat16 if sys.argv[2] == 'cuda' else torch.float32   # what the 
 print(save_checkpoint(build_model(model_config(sys.argv[1]), device='cpu', dtype=dtype), sys.argv[3]))
 " "$PRESET" "$DEVICE" "$WEIGHTS")
 WEIGHTS_PID=
-if want bench || want bench_eager; then
+if want bench || want bench_eager || want fleet; then
   if WEIGHTS_LIMIT=$(limit_for 240 weights); then
     WEIGHTS_T0=$SECONDS
     (timeout -k 10 "$WEIGHTS_LIMIT" "${WEIGHTS_CMD[@]}" > "$WORK/weights.log" 2>&1
@@ -147,6 +151,8 @@ want bench && step bench 180 "$PY" -m oxygen_ros.bench --preset "$PRESET" --devi
   --tokenizer "$TOKENIZER" "${BENCH[@]}" --json "$OUT/bench_$PRESET.json"
 want bench_eager && step bench_eager 100 "$PY" -m oxygen_ros.bench --preset "$PRESET" --device "$DEVICE" --checkpoint "$WEIGHTS" \
   --tokenizer "$TOKENIZER" "${EAGER[@]}" --settings oxygen --no-cuda-graphs --json "$OUT/bench_${PRESET}_eager.json"
+want fleet && step fleet 90 "$PY" -m oxygen_ros.bench --preset "$PRESET" --device "$DEVICE" --checkpoint "$WEIGHTS" \
+  --tokenizer "$TOKENIZER" "${FLEET[@]}" --json "$OUT/fleet_$PRESET.json"
 
 rm -rf "$WORK"
 echo "done in $SECONDS s: $OUT/summary.json"

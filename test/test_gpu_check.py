@@ -77,7 +77,7 @@ def test_budget_spent_skips_steps_and_still_writes_the_summary(tmp_path):
     proc, out = run_check(tmp_path, GPU_CHECK_BUDGET_S="0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert [s["name"] for s in summary["steps"]] == ["weights", "kernel_tests", "microbench", "bench", "bench_eager"]
+    assert [s["name"] for s in summary["steps"]] == ["weights", "kernel_tests", "microbench", "bench", "bench_eager", "fleet"]
     assert {s["status"] for s in summary["steps"]} == {"skipped (budget spent)"}
     assert not summary["all_ok"]
     assert_device_returnable(out)
