@@ -9,8 +9,8 @@ import pytest
 from ros_harness import private_domain
 
 # Shipped weights, seed 1000, episodes 0-7 (the first 8 of docs/demo_eval_ros.json): through ROS 8/8 touched
-# with other engineers' tests on the 2 cores, 7/8 with a training run as well (the in-process evaluation:
-# 8/8). Wall-time bound (a starved engine plans from older frames): a threshold with slack.
+# with other work on the 2 cores (the earlier weights: 8/8, and 7/8 with a training run as well).
+# Wall-time bound (a starved engine plans from older frames): a threshold with slack.
 EPISODES = 8
 MIN_SUCCESSES = 5
 

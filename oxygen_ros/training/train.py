@@ -90,7 +90,15 @@ def losses(model: Pi05, batch: Batch, gen: torch.Generator, probe: PatchColourPr
     return flow_matching_loss(model, batch, gen), text, colours
 
 
-def learning_rate(step: int, steps: int, peak: float, warmup: int = 100) -> float:
+def learning_rate(step: int, steps: int, peak: float, warmup: int = 100,
+                  restart: tuple[int, float] | None = None) -> float:
+    """Warmup then cosine to a tenth of `peak` at `steps`. With `restart` (at, peak2): unchanged before `at` (the
+    steps a resumed run already trained), then a fresh cosine from `peak2` to a tenth of it at `steps` (a resumed
+    run extended with a lower final learning rate, instead of the first cosine stretched to the new `steps`,
+    which would jump back up)."""
+    if restart is not None and step >= restart[0]:
+        at, peak2 = restart
+        return peak2 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - at) / max(1, steps - at))))
     if step < warmup:
         return peak * (step + 1) / warmup
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
@@ -98,8 +106,9 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int = 100) -> floa
 
 class Trainer:
     def __init__(self, cfg: Pi05Config, data: dict[str, np.ndarray], out: Path, batch_size: int, steps: int,
-                 lr: float, seed: int, log=print):
+                 lr: float, seed: int, log=print, restart: tuple[int, float] | None = None):
         self.cfg, self.data, self.out, self.log = cfg, data, Path(out), log
+        self.restart = restart
         self.batch_size, self.steps, self.lr, self.seed = batch_size, steps, lr, seed
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "norm_stats.json").write_text(json.dumps(norm_stats(data), indent=1))
@@ -148,7 +157,7 @@ class Trainer:
     def train_step(self) -> tuple[float, float, float]:
         batch, gen = self.batch(self.step)
         for g in self.opt.param_groups:
-            g["lr"] = learning_rate(self.step, self.steps, self.lr)
+            g["lr"] = learning_rate(self.step, self.steps, self.lr, restart=self.restart)
         flow, text, colours = losses(self.model, batch, gen, self.probe)
         self.opt.zero_grad(set_to_none=True)
         (flow + text + colours).backward()
@@ -219,11 +228,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--until", type=int, default=None,
                    help="stop at this step (the schedule stays that of --steps) and export; with a saved state at "
                         "or past it, only export")
+    p.add_argument("--restart-at", type=int, default=None,
+                   help="from this step on (a resumed run), a fresh cosine from --restart-lr to a tenth of it at "
+                        "--steps, instead of the first cosine stretched to the new --steps")
+    p.add_argument("--restart-lr", type=float, default=None)
     a = p.parse_args(argv)
+    if (a.restart_at is None) != (a.restart_lr is None):
+        p.error("--restart-at and --restart-lr go together")
     torch.set_num_threads(a.threads)
     cfg = preset("demo")
     paths = datagen.generate(a.data, a.samples, a.seed, cfg.vision.image_size, cfg.action_horizon)
-    trainer = Trainer(cfg, datagen.load(paths), a.out, a.batch, a.steps, a.lr, a.seed)
+    restart = None if a.restart_at is None else (a.restart_at, a.restart_lr)
+    trainer = Trainer(cfg, datagen.load(paths), a.out, a.batch, a.steps, a.lr, a.seed, restart=restart)
     plot_losses(trainer.run(until=a.until), a.out / "losses.png")
     print(trainer.export())
     return 0
