@@ -56,6 +56,10 @@ PARAMS = ENGINE_PARAMS + [
     Param("cuda_graphs", "auto", "Decode steps and denoise loops as CUDA graphs, captured at start (auto: on "
                                  "with Triton on CUDA; off: eager launches, for debugging).",
           choices=("auto", "on", "off")),
+    Param("prepare_ahead", "auto", "Convert camera images (rotation, resize) on a preparer thread ahead of each "
+                                   "cycle instead of on the engine thread (auto: on when the model runs on CUDA; "
+                                   "on a CPU-only host the conversion competes with the model for the cores).",
+          choices=("auto", "on", "off")),
     Param("kv_budget_mb", 256.0, "Memory of the paged KV pool (MiB).", minimum=1.0),
     Param("block_size", 16, "Tokens per KV block.", minimum=1, maximum=1024),
     Param("action_horizon", 0, "Actions per chunk (0: the model's). Must match what the checkpoint was "
@@ -278,7 +282,8 @@ class EngineNode(LifecycleNode):
         if problems:
             raise ParameterError("\n".join(problems))
         engine_cfg = EngineConfig(**{q.name: p[q.name] for q in ENGINE_PARAMS},
-                                  cuda_graphs={"auto": None, "on": True, "off": False}[p["cuda_graphs"]])
+                                  cuda_graphs={"auto": None, "on": True, "off": False}[p["cuda_graphs"]],
+                                  prepare_ahead={"auto": None, "on": True, "off": False}[p["prepare_ahead"]])
         source = p["checkpoint"] or "random weights (no checkpoint)"
         size = f" ({human_bytes(size_of(p['checkpoint']))})" if p["checkpoint"] else ""
         try:
@@ -337,6 +342,7 @@ class EngineNode(LifecycleNode):
                                          "faults", "active_requests", "queued_requests", "pool_blocks_used",
                                          "pool_blocks_total", "pool_occupancy", "graph_replays", "graph_fallbacks")})
         values["cuda_graphs"] = self.engine.info.cuda_graphs
+        values["prepare_ahead"] = self.engine.prepare_ahead
         values["last_error"] = s["last_error"]
         return [status("oxygen_ros: engine", level, message, values)] + [
             self._robot_status(robot.name, s["robots"][robot.name], lifecycle) for robot in self.fleet]
