@@ -91,6 +91,17 @@ def obs():
     return make_observation
 
 
+def drain(engine, start: int = 100, limit: int = 200, frames=None) -> None:
+    """Run synchronous cycles on fresh observations (`frames(i)` -> {robot: obs}; default the single robot's
+    make_observation(i)) until no request is active or queued; fail after `limit` cycles."""
+    frames = frames or (lambda i: {"": make_observation(i)})
+    for i in range(start, start + limit):
+        if not (engine.active_requests or engine.queued_requests):
+            return
+        engine.run_frames(frames(i))
+    raise AssertionError("requests did not finish")
+
+
 def pytest_configure(config):
     # Tests import the package from the checkout (editable install); make that explicit for subprocesses.
     sys.path.insert(0, str(REPO))

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import SimClock, make_observation
+from conftest import SimClock, drain, make_observation
 from oxygen_ros.engine.requests import Sampling, TextRequest
 from oxygen_ros.engine.sessions import Sessions
 from oxygen_ros.robot.errors import InputError
@@ -14,14 +14,6 @@ from oxygen_ros.robot.errors import InputError
 
 def pool_used(engine) -> int:
     return engine.stats.snapshot()["pool_blocks_used"]
-
-
-def drain(engine, start=100, limit=200):
-    for i in range(limit):
-        if not (engine.active_requests or engine.queued_requests):
-            return
-        engine.run_cycle(make_observation(start + i))
-    raise AssertionError("requests did not finish")
 
 
 # ---------------------------------------------------------------------------------------------- item 1

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import SimClock, make_observation
+from conftest import drain as run_until_idle
 from oxygen_ros.engine.engine import EngineConfig
 from oxygen_ros.engine.factory import build_engine
 from oxygen_ros.engine.requests import TextRequest
@@ -46,12 +47,9 @@ def observations(names, i=0):
     return {n: make_observation(i, seed=k + 1, prompt=f"task of {n}") for k, n in enumerate(names)}
 
 
-def drain(engine, i=100, limit=200):
-    for k in range(limit):
-        if not (engine.active_requests or engine.queued_requests):
-            return
-        engine.run_frames(observations(engine.robots, i + k))
-    raise AssertionError("requests did not finish")
+def drain(engine):
+    """Cycles with every robot's frame until no request is left."""
+    run_until_idle(engine, frames=lambda i: observations(engine.robots, i))
 
 
 # ---------------------------------------------------------------------------------------------- API, N = 1

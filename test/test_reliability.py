@@ -4,16 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import drain
 from oxygen_ros.engine.requests import TextRequest
 from oxygen_ros.tools.soak import rss_mb
-
-
-def drain(engine, obs, start=100, limit=200):
-    for i in range(limit):
-        if not (engine.active_requests or engine.queued_requests):
-            return
-        engine.run_cycle(obs(start + i))
-    raise AssertionError("requests did not finish")
 
 
 def test_exception_in_a_frame_discards_its_chunk_and_the_engine_recovers(engine_factory, obs):
@@ -38,7 +31,7 @@ def test_exception_in_a_frame_discards_its_chunk_and_the_engine_recovers(engine_
     assert engine.stats.counter("faults") == 1 and "injected" in engine.stats.snapshot()["last_error"]
     engine.run_cycle(obs(2))
     assert engine.latest_chunk().plan.stamp_s == obs(2).stamp_s and not engine.faulted
-    drain(engine, obs)
+    drain(engine)
     assert waiting.result(0).success and waiting.result(0).frame_stamp == obs(2).stamp_s
     assert engine.runner.pool.blocks.num_used == 0
 
@@ -72,7 +65,7 @@ def test_a_failing_decode_step_fails_its_batch_with_an_error_not_a_hang(engine_f
         assert not r.success and r.finish_reason == "error" and "injected decode failure" in r.error
         assert r.tokens, "what was generated before the fault is returned"
     later = engine.submit(TextRequest("and now?", max_tokens=4))
-    drain(engine, obs)
+    drain(engine)
     assert later.result(0).success
     assert engine.runner.pool.blocks.num_used == 0
 
@@ -94,7 +87,7 @@ def test_nan_logits_fail_only_their_request(engine_factory, obs):
         return logits
 
     engine.runner.extend = poisoned
-    drain(engine, obs)
+    drain(engine)
     engine.runner.extend = real
     assert a.result(0).finish_reason == "error" and "non-finite logits" in a.result(0).error
     assert b.result(0).success
@@ -134,7 +127,7 @@ def test_a_burst_of_1000_requests_is_bounded_answered_or_refused_and_leaves_no_g
         refused = [h for h in handles if h.done()]
         assert len(refused) == 1000 - 64, "everything beyond the bounded queue is refused at once"
         assert all(h.result(0).error.startswith("busy:") for h in refused)
-        drain(engine, obs, limit=400)
+        drain(engine, limit=400)
         replies = [h.result(0) for h in handles]
         assert sum(r.success for r in replies) == 64
         assert all(r.success or r.finish_reason == "refused" for r in replies), "nothing lost or hanging"
