@@ -117,9 +117,12 @@ def test_subtask_mode_conditions_the_action_prompt(engine_factory, obs):
     plain = engine_factory(policy="oxygen")
     plain.run_cycle(obs(0), noise)
     sub = engine_factory(policy="oxygen", subtask=True, subtask_max_tokens=4)
+    prefilled = []                     # the rows of the cycle's shared prefill (the frame's KV)
+    prefill = sub.runner.prefill
+    sub.runner.prefill = lambda rows, *a: (prefilled.append(rows), prefill(rows, *a))[1]
     sub.run_cycle(obs(0), noise)
     assert sub.subtask_text and sub.subtask_text == sub.subtask_text.strip()
-    prompt = sub.tokenizer.decode(sub._rows[sub.latest_chunk().plan.frame_index].tokens.tolist())
+    prompt = sub.tokenizer.decode(prefilled[-1][0].tokens.tolist())
     assert f"Task: pick up the red cup. Subtask: {sub.subtask_text}, State:" in prompt
     assert not np.allclose(plain.latest_chunk().model_actions, sub.latest_chunk().model_actions)
     assert sub.runner.pool.blocks.num_used == 0

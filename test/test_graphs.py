@@ -168,9 +168,9 @@ def test_cuda_graphs_default_on_cuda_only_and_need_triton():
 
 def test_a_failed_default_capture_runs_eagerly_and_says_so(monkeypatch):
     """Unset cuda_graphs: a capture failure at start is reported and the engine runs the dynamic path."""
-    import oxygen_ros.engine.engine as engine_module
+    from oxygen_ros.engine.model_runner import ModelRunner
 
-    monkeypatch.setattr(engine_module, "_graphs_by_default", lambda runner: True)
+    monkeypatch.setattr(ModelRunner, "graphs_by_default", lambda runner: True)
     engine = make_engine(None, backend="torch")        # the torch backend cannot serve fixed-shape steps
     assert engine.runner.graphs is None
     snap = engine.stats.snapshot()

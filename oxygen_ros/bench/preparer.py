@@ -20,8 +20,22 @@ import numpy as np
 import torch
 
 from oxygen_ros.engine.config import EngineConfig
+from oxygen_ros.engine.model_runner import ModelRunner
 from oxygen_ros.model.config import CAMERA_SLOTS
 from oxygen_ros.robot.sync import Observation
+
+
+class DeviceBoundRunner(ModelRunner):
+    """A device-bound cycle: each action step also keeps the engine thread waiting `device_s` while the CPU
+    is free (what a GPU does), so the preparer thread's gain can be measured on a CPU-only host."""
+
+    def __init__(self, model, pool, backend: str, device_s: float):
+        super().__init__(model, pool, backend)
+        self.device_s = device_s
+
+    def actions(self, *args, **kwargs):
+        time.sleep(self.device_s)
+        return super().actions(*args, **kwargs)
 
 
 def measure(model, size: tuple[int, int], prepare_ahead: bool, camera_hz: float, seconds: float,
@@ -29,10 +43,8 @@ def measure(model, size: tuple[int, int], prepare_ahead: bool, camera_hz: float,
     """One slice: (frame cycle durations, chunk ages, inline preparation seconds per frame)."""
     from oxygen_ros.engine.factory import build_engine
 
-    engine = build_engine(built_model=model, engine=EngineConfig(prepare_ahead=prepare_ahead), kv_budget_mb=64.0)
-    if device_ms:     # a device-bound cycle: the engine thread waits, the CPU is free (what a GPU does)
-        actions = engine.runner.actions
-        engine.runner.actions = lambda *args: (time.sleep(device_ms / 1e3), actions(*args))[1]
+    engine = build_engine(built_model=model, engine=EngineConfig(prepare_ahead=prepare_ahead), kv_budget_mb=64.0,
+                          make_runner=lambda net, pool, backend: DeviceBoundRunner(net, pool, backend, device_ms / 1e3))
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (*size, 3), dtype=np.uint8) for _ in range(4)]
     sent: dict[float, float] = {}

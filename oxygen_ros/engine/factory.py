@@ -3,7 +3,7 @@ tokenizer and norm stats, the device, and the robot(s) it serves (each its polic
 (the bringup, the benchmark and the tests all come through here)."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -53,11 +53,14 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
                  kv_budget_mb: float = 256.0, block_size: int = 16, backend: str | None = None,
                  robot_io: RobotIOConfig | None = None, robots: Mapping[str, RobotIOConfig] | None = None,
                  state_in_prompt: bool = True, seed: int = 0,
-                 built_model: Pi05 | None = None, **config_overrides) -> Engine:
-    """`robots`: {name: its RobotIOConfig} for an engine serving several robots (issue #17; the model and
-    the KV pool are shared); without it the engine serves one robot, "", with `robot_io`. `norm_stats` and
-    `asset_id`: one source for every robot, or {robot: source} (None: identity) — a fleet may mix
-    embodiments, each with its own norm_stats.json. Every problem is listed before refusing."""
+                 built_model: Pi05 | None = None, make_runner: Callable[[Pi05, KVPool, str], ModelRunner] = ModelRunner,
+                 **config_overrides) -> Engine:
+    """`robots`: {name: its RobotIOConfig} for an engine serving several robots (the model and the KV pool
+    are shared; {} for none yet: add them with `Engine.add_robot` and `robot_preparer`); without it the
+    engine serves one robot, "", with `robot_io`. `norm_stats` and `asset_id`: one source for every robot,
+    or {robot: source} (None: identity) — a fleet may mix embodiments, each with its own norm_stats.json.
+    `make_runner(model, pool, backend)`: the engine's door to the model; a subclass of ModelRunner may
+    stand for a device (the preparer benchmark's device-bound cycle, bench/preparer.py). Every problem is listed before refusing."""
     from oxygen_ros.model.attention import default_backend
 
     robots = _robots(robot_io, robots)
@@ -76,13 +79,19 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
     net.backend = backend
     pool = KVPool.from_budget(int(kv_budget_mb * 2**20), cfg.vlm.depth, cfg.vlm.num_kv_heads, cfg.vlm.head_dim,
                               block_size, net.dtype, net.device)
-    preparers = {}
-    for name, io_cfg in robots.items():
-        stats, asset = norm_sources["norm_stats"][name], norm_sources["asset_id"][name]
-        norm = Normalizer.load(stats, asset) if stats else Normalizer.identity()
-        io = PolicyIO(io_cfg, norm, cfg.action_dim, cfg.vision.image_size)
-        preparers[name] = FramePreparer(cfg, tok, io, state_in_prompt)
-    return Engine(ModelRunner(net, pool, backend), preparers, tok, engine or EngineConfig())
+    preparers = {name: robot_preparer(cfg, tok, io_cfg, norm_sources["norm_stats"][name],
+                                      norm_sources["asset_id"][name], state_in_prompt)
+                 for name, io_cfg in robots.items()}
+    return Engine(make_runner(net, pool, backend), preparers, tok, engine or EngineConfig())
+
+
+def robot_preparer(cfg: Pi05Config, tokenizer: Tokenizer, io_cfg: RobotIOConfig, norm_stats: str | None = None,
+                   asset_id: str | None = None, state_in_prompt: bool = True) -> FramePreparer:
+    """One robot's side of an engine (for `Engine.add_robot`): its policy I/O with its norm stats (None:
+    identity) at the model's action width and image size."""
+    norm = Normalizer.load(norm_stats, asset_id) if norm_stats else Normalizer.identity()
+    return FramePreparer(cfg, tokenizer, PolicyIO(io_cfg, norm, cfg.action_dim, cfg.vision.image_size),
+                         state_in_prompt)
 
 
 def _robots(robot_io: RobotIOConfig | None, robots: Mapping[str, RobotIOConfig] | None) -> dict[str, RobotIOConfig]:
@@ -91,8 +100,8 @@ def _robots(robot_io: RobotIOConfig | None, robots: Mapping[str, RobotIOConfig] 
     problems = []
     if robot_io is not None:
         problems.append("give robot_io (one robot) or robots (several), not both")
-    if not isinstance(robots, Mapping) or not robots:
-        problems.append(f"robots must be a non-empty mapping name -> RobotIOConfig, got {robots!r}")
+    if not isinstance(robots, Mapping):
+        problems.append(f"robots must be a mapping name -> RobotIOConfig, got {robots!r}")
     else:
         problems += [f"robot name {name!r} must be text" for name in robots if not isinstance(name, str)]
         problems += [f"robot {name!r}: expected a RobotIOConfig, got {type(c).__name__}"

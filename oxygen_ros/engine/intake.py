@@ -53,19 +53,37 @@ class Intake:
         self.ready: dict[str, Pending | None] = dict.fromkeys(robots)
         self.dropped: dict[str, int] = dict.fromkeys(robots, 0)
 
+    def add_robot(self, robot: str) -> None:
+        with self.cv:
+            self.robots = self.robots + (robot,)
+            self.raw[robot] = self.ready[robot] = None
+            self.dropped[robot] = 0
+
+    def remove_robot(self, robot: str) -> None:
+        """Forget a robot and whatever it had pending (a preparation in flight for it is discarded)."""
+        with self.cv:
+            self.robots = tuple(r for r in self.robots if r != robot)
+            for slots in (self.raw, self.ready, self.dropped):
+                slots.pop(robot, None)
+
     def put(self, robot: str, item: Pending) -> None:
         with self.cv:
             self._replace(self.raw, robot, item)
 
     def put_ready(self, robot: str, item: Pending) -> None:
         with self.cv:
-            self._replace(self.ready, robot, item)
+            if robot in self.ready:                 # else the robot was removed while it was prepared
+                self._replace(self.ready, robot, item)
 
     def _replace(self, slots: dict, robot: str, item: Pending) -> None:
         if slots[robot] is not None:
             self.dropped[robot] += 1
         slots[robot] = item
         self.cv.notify_all()
+
+    def dropped_counts(self) -> dict[str, int]:
+        with self.cv:
+            return dict(self.dropped)
 
     def take_due(self, limit: int, prepared_only: bool = False) -> tuple[dict[str, Pending], list[str]]:
         """Per robot its prepared item, else (unless `prepared_only`) its raw one, for at most `limit`
@@ -99,13 +117,13 @@ class Intake:
 class PreparerThread:
     """Converts each robot's newest raw observation into model inputs ahead of the cycle (see above)."""
 
-    def __init__(self, intake: Intake, preparers: dict[str, FramePreparer], clock: Callable[[], float],
+    def __init__(self, intake: Intake, preparer_of: Callable[[str], FramePreparer | None], clock: Callable[[], float],
                  smoothing: float = 0.3):
-        self.intake, self.preparers, self.clock, self.smoothing = intake, preparers, clock, smoothing
+        self.intake, self.preparer_of, self.clock, self.smoothing = intake, preparer_of, clock, smoothing
         self.not_before = float("-inf")             # engine clock; set by the engine (see the module docstring)
         self._cycle = 0                              # frame cycles started so far
-        self._converted = dict.fromkeys(intake.robots, -1)   # the cycle in which each robot was last converted
-        self._prepare_s = dict.fromkeys(intake.robots, 0.0)   # moving average of each robot's conversion
+        self._converted: dict[str, int] = {}         # the cycle in which each robot was last converted
+        self._prepare_s: dict[str, float] = {}       # moving average of each robot's conversion
         self._cycle_s = 0.0                          # moving average of a frame cycle
         self.conversions = 0
         self._stop = threading.Event()
@@ -146,7 +164,7 @@ class PreparerThread:
             return None
         for r in self.intake.robots:
             raw = self.intake.raw[r]
-            if raw is not None and (self.intake.ready[r] is None or self._converted[r] < self._cycle):
+            if raw is not None and (self.intake.ready[r] is None or self._converted.get(r, -1) < self._cycle):
                 self.intake.raw[r] = None
                 self._converted[r] = self._cycle
                 return r, raw
@@ -162,18 +180,27 @@ class PreparerThread:
                     cv.wait(min(wait, 0.1) if wait > 0 else 0.1)
                     continue
             robot, raw = job
+            preparer = self.preparer_of(robot)
+            if preparer is None:                   # the robot was removed meanwhile
+                continue
             t = time.perf_counter()
             try:
-                item = replace(raw, prepared=self.preparers[robot].prepare(raw.obs))
+                item = replace(raw, prepared=preparer.prepare(raw.obs))
             except InputError as e:
                 item = replace(raw, error=e)
             except Exception as e:  # noqa: BLE001 - a preparation bug must not kill the thread: the cycle reports it
                 log.exception("frame preparation failed")
                 item = replace(raw, error=InputError(f"preparation failed: {type(e).__name__}: {e}"))
             spent = time.perf_counter() - t
-            self._prepare_s[robot] = _ema(self._prepare_s[robot], spent, self.smoothing)
+            with cv:
+                self._prepare_s[robot] = _ema(self._prepare_s.get(robot, 0.0), spent, self.smoothing)
             self.conversions += 1
             self.intake.put_ready(robot, replace(item, prepare_s=spent))
+
+    def forget(self, robot: str) -> None:
+        with self.intake.cv:
+            self._converted.pop(robot, None)
+            self._prepare_s.pop(robot, None)
 
 
 def _ema(old: float, new: float, smoothing: float) -> float:

@@ -8,6 +8,7 @@ Everything here runs on the engine thread, which owns the device.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,8 @@ from oxygen_ros.model.pi05 import Pi05, PrefixRow
 
 from .graphs import StepGraphs
 from .kv_pool import FrameCache, KVPool
+
+log = logging.getLogger("oxygen_ros.engine")
 
 
 class EngineFault(RuntimeError):
@@ -39,6 +42,32 @@ class ModelRunner:
         self.model, self.pool, self.backend = model, pool, backend
         self.cfg = model.cfg
         self.graphs: StepGraphs | None = None
+
+    def start_graphs(self, config) -> str:
+        """Fixed-shape steps (graphs.py) as the engine config asks: captured now on CUDA, not in the middle
+        of a control cycle. By default (cuda_graphs unset) they are on when the model runs the Triton
+        kernels on CUDA (what they are for), and a failed capture is not fatal: the runner stays eager and
+        the reason is returned (for the log and diagnostics); asked for explicitly, a failure raises."""
+        explicit = config.cuda_graphs is not None
+        if not (config.cuda_graphs if explicit else self.graphs_by_default()):
+            return ""
+        capture = self.model.device.type == "cuda"
+        try:
+            steps = self.enable_graphs(config.max_active_requests, config.max_question_chars + config.max_tokens_limit,
+                                       capture)
+            if capture:
+                steps.warm_up(config.denoise_steps or self.cfg.num_denoise_steps)
+        except Exception as e:
+            if explicit:
+                raise
+            self.disable_graphs()
+            message = f"CUDA graphs unavailable, running eagerly (slower): {e}"
+            log.warning(message)
+            return message
+        return ""
+
+    def graphs_by_default(self) -> bool:
+        return self.backend == "triton" and self.model.device.type == "cuda"
 
     def enable_graphs(self, max_batch: int, own_tokens: int, capture: bool) -> StepGraphs:
         """Serve decode steps and denoise loops from fixed-shape steps (CUDA graphs when `capture`; see

@@ -25,7 +25,7 @@ import collections
 import logging
 import math
 import threading
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -88,6 +88,7 @@ class Scheduler:
         self._lock = threading.Lock()                  # guards waiting and closed (submit runs on any thread)
         self.closed = ""                               # non-empty: new requests are refused with this reason
         self._last_owner: str | None = None            # round-robin position of admission
+        self._gone: dict[str, str] = {}                 # robots removed: their running requests end at expire
 
     # ------------------------------------------------------------------ any thread
     def submit(self, request: TextRequest) -> RequestHandle:
@@ -162,6 +163,20 @@ class Scheduler:
         # The last sampled token is never fed back, so a reply of max_tokens stores max_tokens - 1 tokens.
         return max(1, self.blocks.blocks_for(question_tokens + max_tokens - 1))
 
+    def set_robots(self, robots: tuple[str, ...], reserve_blocks: int) -> None:
+        """The engine's robots changed (added or removed at run time) and with them the KV reserve."""
+        with self._lock:
+            self.robots, self.reserve_blocks = robots, reserve_blocks
+
+    def drop_owner(self, robot: str, reason: str) -> None:
+        """A robot left: its queued requests end now with `reason`; its running ones at the next `expire`
+        (the engine thread owns the running set)."""
+        with self._lock:
+            gone = [seq for seq in self.waiting if seq.request.owner == robot]
+            self._gone[robot] = reason
+        for seq in gone:
+            self.finish(seq, "error", reason)
+
     def close(self, reason: str) -> None:
         with self._lock:
             self.closed = reason
@@ -176,8 +191,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ engine thread
     def expire(self, now: float) -> None:
-        """Cancelled requests and those past their timeout (counted from submission), queued or running."""
+        """Cancelled requests and those past their timeout (counted from submission), queued or running;
+        and those of robots removed since the last call."""
+        with self._lock:
+            gone, self._gone = self._gone, {}
         for seq in list(self.running):
+            if seq.request.owner in gone and seq.request.owner not in self.robots:
+                self.finish(seq, "error", gone[seq.request.owner])
+                continue
             self._expire_one(seq, now)
         with self._lock:
             waiting = list(self.waiting)
@@ -190,7 +211,7 @@ class Scheduler:
         elif now - seq.handle.submitted_at > seq.request.timeout_s:
             self.finish(seq, "timeout", f"timed out after {seq.request.timeout_s:g} s{where}")
 
-    def admit(self, frames: dict[str, FrameCache], attach: Callable[[FrameCache], FrameCache]) -> list[Sequence]:
+    def admit(self, frames: Mapping[str, object], attach: Callable[[object], FrameCache]) -> list[Sequence]:
         """Attach waiting sequences to their owner's frame ({robot: frame} of this cycle) while there is
         room: the batch cap, and KV blocks beyond the reserve. Owners take turns (round-robin, starting
         after the owner served last); within an owner, first come first served. One that does not fit now
@@ -212,6 +233,8 @@ class Scheduler:
                 waited = True                            # back-pressure: it stays queued
                 continue
             with self._lock:
+                if seq not in self.waiting:              # ended meanwhile (its robot was removed)
+                    continue
                 self.waiting.remove(seq)
             self.running.append(seq)
             seq.admitted_at = self.clock()
@@ -227,7 +250,7 @@ class Scheduler:
             self.stats.count("admission_waits")
         return admitted
 
-    def _round_robin(self, candidates: list[Sequence], frames: dict[str, FrameCache]) -> list[Sequence]:
+    def _round_robin(self, candidates: list[Sequence], frames: Mapping[str, object]) -> list[Sequence]:
         """The candidates whose owner has a frame, interleaved one per owner at a time, starting with the
         owner after the one served last (robot order)."""
         queues: dict[str, list[Sequence]] = {r: [] for r in self.robots if r in frames}

@@ -25,19 +25,35 @@ class EngineStats:
         self._robots = {r: collections.Counter() for r in robots}
         self._chunk_s = {r: collections.deque(maxlen=window) for r in robots}
         self._dropped = dict.fromkeys(robots, 0)
+        self._dropped_by_removed = 0
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counters[name] += n
 
+    def add_robot(self, robot: str) -> None:
+        with self._lock:
+            self._robots[robot] = collections.Counter()
+            self._chunk_s[robot] = collections.deque(maxlen=self._cycles.maxlen)
+            self._dropped[robot] = 0
+
+    def remove_robot(self, robot: str) -> None:
+        with self._lock:
+            self._dropped_by_removed += self._dropped.pop(robot, 0)    # the total keeps what it counted
+            self._robots.pop(robot, None)
+            self._chunk_s.pop(robot, None)
+
     def count_robot(self, robot: str, name: str, n: int = 1) -> None:
         with self._lock:
-            self._robots[robot][name] += n
+            if robot in self._robots:            # else removed while its frame was in a cycle
+                self._robots[robot][name] += n
 
     def record_chunk(self, robot: str, latency_s: float, missed: bool) -> None:
         """A chunk delivered to `robot`, `latency_s` after its cycle started; `missed`: after its deadline."""
         with self._lock:
-            counter = self._robots[robot]
+            counter = self._robots.get(robot)
+            if counter is None:
+                return
             counter["chunks"] += 1
             counter["deadline_misses"] += int(missed)
             self._chunk_s[robot].append(latency_s)
@@ -50,12 +66,13 @@ class EngineStats:
         with self._lock:
             self._cycles.append(report)
             for robot in report.robots:
-                self._robots[robot]["frames"] += 1
+                if robot in self._robots:
+                    self._robots[robot]["frames"] += 1
             self._counters["frames"] += report.chunks
             if report.prepared_ahead:
                 self._counters["frames_prepared_ahead"] += report.prepared_ahead
-            self._dropped.update(dropped)
-            dropped_frames = sum(self._dropped.values())
+            self._dropped.update((r, n) for r, n in dropped.items() if r in self._dropped)
+            dropped_frames = sum(self._dropped.values()) + self._dropped_by_removed
             self._counters["cycles"] += 1
             self._counters["tokens"] += report.tokens
             self._counters["deadline_misses"] += int(report.deadline_missed)
