@@ -312,6 +312,79 @@ def test_robot_info_per_robot(fleet):
         engine.robot_info("")
 
 
+# ---------------------------------------------------------------------------------------------- robots at run time
+def test_robots_added_at_run_time_are_served_like_built_ones(fleet, small_model):
+    """An engine built with no robot (a server waiting for clients) gets robots added later; each added
+    robot's chunk equals a built fleet's for the same frames (the same cycle code)."""
+    from oxygen_ros.engine.factory import robot_preparer
+
+    built = fleet()
+    empty = fleet(robots={})
+    assert empty.robots == () and empty.run_frames().chunks == 0
+    for n, io in ROBOTS.items():
+        info = empty.add_robot(n, robot_preparer(small_model.cfg, empty.tokenizer, io))
+        assert info == built.robot_info(n)
+    noise, obs = noises(ROBOTS), observations(ROBOTS)
+    built.run_frames(obs, noise)
+    empty.run_frames(obs, noise)
+    for n in ROBOTS:
+        assert np.array_equal(built.latest_chunk(n).plan.actions, empty.latest_chunk(n).plan.actions)
+    with pytest.raises(ValueError, match="already served"):
+        empty.add_robot("arm", robot_preparer(small_model.cfg, empty.tokenizer, ROBOTS["arm"]))
+
+
+def test_a_removed_robot_ends_its_requests_and_its_frame_and_frees_its_kv(fleet):
+    engine = fleet(decode_budget="fixed", tokens_per_frame=1)
+    engine.run_frames(observations(engine.robots), noises(engine.robots))
+    running = engine.submit(TextRequest("what is on the table?", max_tokens=8, owner="arm"))
+    other = engine.submit(TextRequest("what is on the table?", max_tokens=8, owner="aloha"))
+    engine.run_frames(observations(engine.robots, 1), noises(engine.robots))    # admitted, decoding
+    queued = engine.submit(TextRequest("and now?", max_tokens=8, owner="arm"))
+    engine.submit_observation(make_observation(2), robot="arm")                    # pending frame
+    engine.remove_robot("arm", reason="client disconnected")
+    reply = queued.result(0)                                     # queued: ended at once
+    assert not reply.success and reply.error == "client disconnected"
+    assert engine.robots == ("aloha", "libero") and "arm" not in engine.stats.snapshot()["robots"]
+    with pytest.raises(ValueError, match="unknown robot 'arm'"):
+        engine.submit_observation(make_observation(3), robot="arm")
+    assert not engine.submit(TextRequest("hi", owner="arm")).result(0).success
+    report = engine.run_frames({"aloha": make_observation(4)})   # running: ended at the next cycle's start
+    assert running.result(0).error == "client disconnected" and "arm" not in report.robots
+    drain(engine)
+    assert other.result(0).success
+    assert engine.runner.pool.blocks.num_used == 0
+    with pytest.raises(ValueError, match="unknown robot 'arm'"):
+        engine.remove_robot("arm")
+
+
+def test_robots_come_and_go_while_the_engine_thread_runs(fleet, small_model):
+    """Clients connecting and leaving during cycles: nothing raises on the engine thread, every request is
+    answered, the pool ends empty."""
+    from oxygen_ros.engine.factory import robot_preparer
+
+    engine = fleet(robots={}, decode_budget="fixed", tokens_per_frame=2)
+    errors = []
+    engine.add_chunk_listener(lambda c: None if c.plan.actions.shape[1] == 7 else errors.append(c))
+    engine.start()
+    handles = []
+    try:
+        for k in range(6):
+            name = f"client{k}"
+            engine.add_robot(name, robot_preparer(small_model.cfg, engine.tokenizer, ROBOTS["arm"]))
+            for i in range(3):
+                engine.submit_observation(make_observation(i, seed=k), robot=name)
+                handles.append(engine.submit(TextRequest("what is on the table?", max_tokens=4, owner=name)))
+            if k % 2:
+                engine.remove_robot(f"client{k - 1}")
+        for h in handles:
+            h.result(timeout=60)                                   # answered (success or the reason)
+    finally:
+        assert engine.stop()
+    assert not errors and engine.stats.counter("listener_errors") == 0
+    assert engine.robots == ("client1", "client3", "client5")
+    assert engine.runner.pool.blocks.num_used == 0
+
+
 # ---------------------------------------------------------------------------------------------- thread
 def test_the_engine_thread_serves_every_robot(fleet):
     engine = fleet(decode_budget="fixed", tokens_per_frame=4)
