@@ -5,13 +5,19 @@ import pytest
 
 from conftest import SimClock
 from oxygen_ros.engine.requests import TextRequest
-from oxygen_ros.engine.scheduler import DecodeBudget
+from oxygen_ros.engine.scheduler import LanguageBudget
 
 PREFILL_S, ACTION_S = 0.040, 0.030
+TOKEN_S = 0.0005          # each question token beyond one per row (chunked question prefill)
 
 
 def decode_cost(batch: int) -> float:
     return 0.010 + 0.002 * batch
+
+
+def extend_cost(rows) -> float:
+    """A forward over text rows: a decode step of that many rows, plus the extra question tokens."""
+    return decode_cost(len(rows)) + TOKEN_S * sum(len(r.tokens) - 1 for r in rows)
 
 
 def simulate_costs(engine, clock: SimClock, calls: list | None = None):
@@ -31,13 +37,13 @@ def simulate_costs(engine, clock: SimClock, calls: list | None = None):
 
     wrap("prefill", lambda *a: PREFILL_S)
     wrap("actions", lambda *a: ACTION_S)
-    wrap("extend", lambda items: decode_cost(len(items)))
+    wrap("extend", extend_cost)
 
 
 def test_decode_budget_rules():
-    fixed = DecodeBudget("fixed", tokens_per_frame=5, min_steps=1)
+    fixed = LanguageBudget("fixed", tokens_per_frame=5, min_steps=1, chunk_tokens=64)
     assert [fixed.another_step(s, 0.0, -1.0, 4) for s in range(6)] == [True] * 5 + [False]
-    dl = DecodeBudget("deadline", tokens_per_frame=5, min_steps=2)
+    dl = LanguageBudget("deadline", tokens_per_frame=5, min_steps=2, chunk_tokens=64)
     assert dl.another_step(0, now=10.0, deadline=9.0, batch=3)      # minimum progress even when late
     assert dl.another_step(1, now=10.0, deadline=9.0, batch=3)
     assert not dl.another_step(2, now=10.0, deadline=9.0, batch=3)
@@ -49,7 +55,7 @@ def test_decode_budget_rules():
     assert dl.another_step(2, now=1.0, deadline=1.17, batch=3)
     assert not dl.another_step(2, now=1.0, deadline=1.16, batch=3)
     with pytest.raises(ValueError):
-        DecodeBudget("eager", 1, 1)
+        LanguageBudget("eager", 1, 1, 64)
 
 
 def test_deadline_budget_fills_the_frame_period_and_no_more(engine_factory, obs):
@@ -73,18 +79,21 @@ def test_deadline_budget_fills_the_frame_period_and_no_more(engine_factory, obs)
 
 def test_the_deadline_budget_predicts_each_step_at_its_batch_size(engine_factory, obs):
     """A step of 20 rows costs 0.05 s, one of 1 row 0.012 s: predicting a big batch's step from the batch-1
-    time would start a step the deadline cannot hold."""
+    time would start a step the deadline cannot hold. 19 questions arriving at once are prefilled in chunks
+    over the cycles (133 question tokens do not fit one cycle beside the frame and a decode step)."""
     clock = SimClock()
     engine = engine_factory(clock=clock, policy="oxygen", decode_budget="deadline", action_rate_hz=25.0,
                             min_tokens_per_frame=1, ignore_eos=True)
     simulate_costs(engine, clock)
+    question = len(engine.question_tokens("what is on the table?"))
     handles = [engine.submit(TextRequest("what is on the table?", max_tokens=200))]
     engine.run_cycle(obs(0))                                          # learns the batch-1 step time
     handles += [engine.submit(TextRequest("what is on the table?", max_tokens=200)) for _ in range(19)]
-    report = engine.run_cycle(obs(1))      # 0.04 + 0.03 + question prefill 0.048 + one step of 20: 0.168 s
-    assert report.batch_sizes == [20] and not report.deadline_missed, report
-    report = engine.run_cycle(obs(2))      # 0.07 s of frame, then 0.13 s hold two steps of 0.05 s
-    assert report.batch_sizes == [20, 20] and not report.deadline_missed, report
+    reports = [engine.run_cycle(obs(i)) for i in range(1, 5)]
+    assert not any(r.deadline_missed for r in reports), reports
+    assert [r.question_tokens for r in reports][0] < 19 * question            # spread over cycles...
+    assert sum(r.question_tokens for r in reports) == 19 * question          # ...and all prefilled
+    assert reports[-1].batch_sizes == [20, 20]     # 0.07 s of frame, two steps of 0.05 s; a third ends at 0.22 s
     for h in handles:
         h.cancel()
     engine.run_cycle(None)

@@ -28,6 +28,10 @@ class EngineConfig:
                                     minimum=1)
     min_tokens_per_frame: int = setting(1, "Decode steps every active request gets per frame even when late.",
                                         minimum=0)
+    prefill_chunk_tokens: int = setting(64, "Question tokens prefilled per cycle at least while questions wait "
+                                            "(decode_budget=deadline adds what fits before the deadline; fixed: "
+                                            "exactly this many); a longer question spreads over cycles.",
+                                        minimum=1)
     max_active_requests: int = setting(32, "Largest decode batch.", minimum=1)
     # None: on when the model runs on CUDA (the CPU is free while the device computes). On a CPU-only host
     # the conversion and the model compete for the same cores: measured slower there (README, issue #12).

@@ -187,6 +187,11 @@ class Sequence:
     def request(self) -> TextRequest:
         return self.handle.request
 
+    @property
+    def prefilling(self) -> bool:
+        """Its question is not yet all in its blocks (chunked prefill spreads a long one over cycles)."""
+        return self.own_len < len(self.question)
+
 
 class StopMatcher:
     """Finds the earliest stop string in a growing text, looking only at what is new: per update it costs

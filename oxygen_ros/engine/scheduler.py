@@ -45,13 +45,27 @@ log = logging.getLogger("oxygen_ros.engine")
 KINDS = ("conversation", "memory")
 
 
-class DecodeBudget:
-    def __init__(self, mode: str, tokens_per_frame: int, min_steps: int, smoothing: float = 0.3):
+class LanguageBudget:
+    """How much language work a cycle does, from an online cost model (exponential moving averages of what
+    the steps measured). The cycle's deadline is when its robots' next chunks are due; the actions come first.
+
+    Question prefill, chunked (as Sarathi-Serve and vLLM do): each cycle prefills the next tokens of the
+    questions admitted so far, in one batched forward, and a long question spreads over cycles (its partial
+    KV stays in its own blocks). "deadline": as many question tokens as fit before the deadline after
+    `min_steps` decode steps of the running batch, and at least `chunk_tokens` while questions wait (language
+    is slowed, never starved); "fixed": exactly up to `chunk_tokens`.
+    Decode steps: "fixed": exactly `tokens_per_frame` per cycle (the OxyGen paper's setting); "deadline":
+    while the predicted end of the next step stays before the deadline, and at least `min_steps`.
+    Step times are measured per batch size; a prefill forward of T tokens over R rows is predicted as a
+    decode step of R rows plus T times the measured cost of one more token."""
+
+    def __init__(self, mode: str, tokens_per_frame: int, min_steps: int, chunk_tokens: int, smoothing: float = 0.3):
         if mode not in ("fixed", "deadline"):
             raise ValueError(f"unknown decode budget mode {mode!r}")
         self.mode, self.tokens_per_frame, self.min_steps = mode, tokens_per_frame, min_steps
-        self.smoothing = smoothing
+        self.chunk_tokens, self.smoothing = chunk_tokens, smoothing
         self._step_s: dict[int, float] = {}
+        self.token_s: float | None = None          # measured cost of one more prefill token (None: not yet)
 
     def another_step(self, steps_done: int, now: float, deadline: float, batch: int) -> bool:
         if self.mode == "fixed":
@@ -60,9 +74,20 @@ class DecodeBudget:
             return True
         return now + self.predict(batch) <= deadline
 
+    def prefill_tokens(self, now: float, deadline: float, decode_batch: int, rows: int) -> int:
+        """Question tokens to prefill in this cycle's forward over `rows` questions, with `decode_batch`
+        requests decoding after it."""
+        if self.mode == "fixed" or self.token_s is None:     # unmeasured: the minimum, which measures it
+            return self.chunk_tokens
+        left = deadline - now - self.predict(rows) - (self.min_steps * self.predict(decode_batch) if decode_batch else 0.0)
+        return max(self.chunk_tokens, int(left / self.token_s) if left > 0 else 0)
+
     def observe(self, batch: int, seconds: float) -> None:
-        old = self._step_s.get(batch)
-        self._step_s[batch] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self._step_s[batch] = _ema(self._step_s.get(batch), seconds, self.smoothing)
+
+    def observe_prefill(self, rows: int, tokens: int, seconds: float) -> None:
+        extra = max(seconds - self.predict(rows), 0.0) / max(tokens - rows, 1)
+        self.token_s = _ema(self.token_s, extra, self.smoothing)
 
     def predict(self, batch: int) -> float:
         """Predicted step time at this batch size: its own average, else the nearest measured size's."""
@@ -74,6 +99,10 @@ class DecodeBudget:
         return self._step_s[nearest]
 
 
+def _ema(old: float | None, new: float, smoothing: float) -> float:
+    return new if old is None else old + smoothing * (new - old)
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager, tokenizer: Tokenizer, reserve_blocks: int,
                  prefix_blocks: int, stats: EngineStats, clock: Callable[[], float], robots: tuple[str, ...] = ("",)):
@@ -82,7 +111,8 @@ class Scheduler:
         self.reserve_blocks = reserve_blocks          # kept free for the next cycle's prefills
         # isolated policy: each request also prefills its own copy of the frame
         self.request_prefix_blocks = prefix_blocks if config.policy == "isolated" else 0
-        self.budget = DecodeBudget(config.decode_budget, config.tokens_per_frame, config.min_tokens_per_frame)
+        self.budget = LanguageBudget(config.decode_budget, config.tokens_per_frame, config.min_tokens_per_frame,
+                                     config.prefill_chunk_tokens)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._lock = threading.Lock()                  # guards waiting and closed (submit runs on any thread)
@@ -267,14 +297,36 @@ class Scheduler:
         return order
 
     def decode_batch(self) -> list[Sequence]:
-        return self.running[:self.config.max_active_requests]
+        """The running sequences whose question is prefilled (each has its last sampled token to feed)."""
+        return [s for s in self.running if not s.prefilling][:self.config.max_active_requests]
+
+    def prefill_chunks(self, now: float, deadline: float) -> list[tuple[Sequence, int]]:
+        """This cycle's question prefill: (sequence, tokens of its question to append now), first admitted
+        first, within the budget's token count (chunked prefill; see LanguageBudget)."""
+        prefilling = [s for s in self.running if s.prefilling]
+        if not prefilling:
+            return []
+        left = self.budget.prefill_tokens(now, deadline, len(self.running) - len(prefilling), len(prefilling))
+        chunks = []
+        for seq in prefilling:
+            n = min(len(seq.question) - seq.own_len, left)
+            if n <= 0:
+                break
+            chunks.append((seq, n))
+            left -= n
+        return chunks
 
     def postprocess(self, seqs: list[Sequence], fed: list[int], logits: torch.Tensor) -> int:
-        """After a forward that appended fed[i] tokens to seqs[i]: record them, sample one token per
-        sequence and apply it. A row with non-finite logits fails its sequence alone. Returns the number of
-        tokens produced."""
+        """After a forward that appended fed[i] tokens to seqs[i]: record them; then for each sequence whose
+        question is now complete, sample one token and apply it (a question prefilled only in part samples
+        nothing). A row with non-finite logits fails its sequence alone. Returns the number of tokens produced."""
         for seq, n in zip(seqs, fed):
             seq.own_len += n
+        rows = [i for i, seq in enumerate(seqs) if not seq.prefilling]
+        if len(rows) < len(seqs):
+            seqs, logits = [seqs[i] for i in rows], logits[rows]
+        if not seqs:
+            return 0
         s = [seq.request.sampling for seq in seqs]
         tokens, ok = sample(logits, [x.temperature for x in s], [x.top_p for x in s], [q.generator for q in seqs])
         produced = 0

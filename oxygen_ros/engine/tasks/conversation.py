@@ -1,15 +1,17 @@
 """The conversation task: language requests (questions, and the captions task's requests) read the frame's
 KV and advance together, in the time the cycle has left after the actions.
 
-Each cycle: admit what the scheduler lets in (each request attaches to its owner's frame of this cycle),
-prefill their questions on top of the frame's prefix in one batched forward (their first token comes out),
-then advance every running request together, one batched decode step at a time, whatever frame or robot
-each is attached to, while the scheduler's budget says the next step still ends before the deadline. A
-cycle without a frame stops at the next step boundary when a new observation is waiting (actions first).
+Each cycle (policy `oxygen`): admit what the scheduler lets in (each request attaches to its owner's frame
+of this cycle); prefill the next chunk of the admitted questions on top of their frames' prefixes in one
+batched forward, as many tokens as the budget says fit (a long question spreads over cycles; a request
+whose question is complete gets its first token); then advance every running request together, one
+batched decode step at a time, whatever frame or robot each is attached to, while the budget says the next
+step still ends before the deadline. A cycle without a frame stops at the next step boundary when a new
+observation is waiting (actions first). The scheduler decides how much (`LanguageBudget`); this task runs it.
 
 The other policies exist for side-by-side runs: `isolated` (openpi-style: each request prefills its own
-copy of the frame, then is decoded to completion inside the frame) and `shared_kv` (one prefill; replies
-still decoded to completion inside the frame).
+copy of the frame, then its whole question, then is decoded to completion inside the frame) and
+`shared_kv` (one prefill; replies still prefilled whole and decoded to completion inside the frame).
 """
 from __future__ import annotations
 
@@ -34,26 +36,20 @@ class ConversationTask:
         self.clock, self.frame_waiting = clock, frame_waiting
 
     def run(self, frames: dict[str, Frame], report: CycleReport, deadline: float) -> None:
-        """This cycle's language work: admission onto `frames` ({robot: frame}, possibly none), then decode
-        until `deadline` (engine clock)."""
+        """This cycle's language work: admission onto `frames` ({robot: frame}, possibly none), question
+        prefill, then decode until `deadline` (engine clock)."""
         sched = self.scheduler
         t = self.clock()
-        if frames:
-            admitted = self._admit(frames, report)
-            if self.config.policy != "oxygen":
-                # Decode each admitted reply to completion inside the frame, one request at a time.
-                report.admit_s = self.clock() - t
-                t = self.clock()
-                for seq in admitted:
-                    while seq in sched.running:
-                        self._decode_step([seq], report)
-                report.decode_s = self.clock() - t
-                return
+        admitted = self._admit(frames, report) if frames else []
+        if self.config.policy != "oxygen":
+            self._to_completion(admitted, report, t)
+            return
+        if frames or not self.frame_waiting():
+            self._prefill(sched.prefill_chunks(self.clock(), deadline), report)
         report.admit_s = self.clock() - t
         t = self.clock()
         steps = 0
-        while sched.running:
-            batch = sched.decode_batch()
+        while batch := sched.decode_batch():
             if not sched.budget.another_step(steps, self.clock(), deadline, len(batch)):
                 break
             if not frames and self.frame_waiting():
@@ -65,6 +61,18 @@ class ConversationTask:
             steps += 1
         report.decode_s = self.clock() - t
 
+    def _to_completion(self, admitted: list[Sequence], report: CycleReport, t: float) -> None:
+        """The comparison policies: each admitted request's whole question, then its whole reply, one
+        request at a time, inside the frame."""
+        for seq in admitted:
+            self._prefill([(seq, len(seq.question))] if seq.prefilling else [], report)
+        report.admit_s = self.clock() - t
+        t = self.clock()
+        for seq in admitted:
+            while seq in self.scheduler.running:
+                self._decode_step([seq], report)
+        report.decode_s = self.clock() - t
+
     def _attach(self, frame: Frame) -> FrameCache:
         """A request's reference to its frame's KV: the same blocks (retain), or in the isolated policy a
         prefill of its own (openpi-style)."""
@@ -73,29 +81,32 @@ class ConversationTask:
         return frame.cache.retain()
 
     def _admit(self, frames: dict[str, Frame], report: CycleReport) -> list[Sequence]:
-        """Admit what fits (each request to its owner's frame), prefill the questions in one batched forward
-        and sample the first tokens."""
+        """Admit what fits, each request onto its owner's frame; a request without a question gets its first
+        token from the frame's last position at once."""
         admitted = self.scheduler.admit(frames, self._attach)
-        if not admitted:
-            return []
         report.admitted += len(admitted)
-        with_question = [s for s in admitted if s.question]
-        groups = [[s] for s in with_question] if self.config.policy != "oxygen" else [with_question]
+        for s in [s for s in admitted if not s.question]:
+            report.tokens += self.scheduler.postprocess([s], [0], self.runner.frame_logits(s.frame))
+        return admitted
+
+    def _prefill(self, chunks: list[tuple[Sequence, int]], report: CycleReport) -> None:
+        """Append each (request, n): the next n tokens of its question, all in one forward."""
+        if not chunks:
+            return
+        seqs, counts = [s for s, _ in chunks], [n for _, n in chunks]
+        s = self.clock()
         try:
-            for group in filter(None, groups):
-                logits = self.runner.extend([TextRow(s.frame.segment, s.blocks, s.own_len, s.question)
-                                             for s in group])
-                report.question_tokens += sum(len(s.question) for s in group)
-                report.tokens += self.scheduler.postprocess(group, [len(s.question) for s in group], logits)
-            for s in admitted:
-                if not s.question:
-                    report.tokens += self.scheduler.postprocess([s], [0], self.runner.frame_logits(s.frame))
+            logits = self.runner.extend([TextRow(seq.frame.segment, seq.blocks, seq.own_len,
+                                                 seq.question[seq.own_len:seq.own_len + n]) for seq, n in chunks])
         except Exception as e:  # noqa: BLE001 - a fault in the question prefill fails these requests only
             self.stats.count("faults")
             self.stats.note_error(f"question prefill failed: {e}")
-            self.scheduler.fail([s for s in admitted if s.frame is not None], f"question prefill failed: {e}")
-            return []
-        return admitted
+            log.exception("question prefill failed")
+            self.scheduler.fail(seqs, f"question prefill failed: {e}")
+            return
+        self.scheduler.budget.observe_prefill(len(chunks), sum(counts), self.clock() - s)
+        report.question_tokens += sum(counts)
+        report.tokens += self.scheduler.postprocess(seqs, counts, logits)
 
     def _decode_step(self, batch: list[Sequence], report: CycleReport) -> None:
         try:
