@@ -50,6 +50,40 @@ class SimClock:
         self.t += dt
 
 
+# Simulated model costs (engine tests on a SimClock): what each runner operation advances the clock by.
+PREFILL_S, ACTION_S = 0.040, 0.030
+TOKEN_S = 0.0005          # each question token beyond one per row (chunked question prefill)
+
+
+def decode_cost(batch: int) -> float:
+    return 0.010 + 0.002 * batch
+
+
+def extend_cost(rows) -> float:
+    """A forward over text rows: a decode step of that many rows, plus the extra question tokens."""
+    return decode_cost(len(rows)) + TOKEN_S * sum(len(r.tokens) - 1 for r in rows)
+
+
+def simulate_costs(engine, clock: SimClock, calls: list | None = None):
+    """Wrap the runner (tests only) so each operation advances the simulated clock by a known cost."""
+    runner = engine.runner
+
+    def wrap(name, cost):
+        real = getattr(runner, name)
+
+        def timed(*args, **kwargs):
+            out = real(*args, **kwargs)
+            clock.advance(cost(*args))
+            if calls is not None:
+                calls.append(name)
+            return out
+        setattr(runner, name, timed)
+
+    wrap("prefill", lambda *a: PREFILL_S)
+    wrap("actions", lambda *a: ACTION_S)
+    wrap("extend", extend_cost)
+
+
 def make_observation(i: int, size: int = 56, cameras=(True, True, False), prompt: str = "pick up the red cup",
                      state_dim: int = 8, seed: int = 0):
     from oxygen_ros.robot.sync import Observation

@@ -120,6 +120,7 @@ def test_repeated_faults_trip_a_safe_stop_until_reset(engine_factory, obs):
 @pytest.mark.timing
 def test_a_burst_of_1000_requests_is_bounded_answered_or_refused_and_leaves_no_growth(engine_factory, obs):
     engine = engine_factory(policy="oxygen", decode_budget="fixed", tokens_per_frame=4, max_queued_requests=64,
+                            max_queued_per_owner=64,
                             max_active_requests=16)
 
     def burst():

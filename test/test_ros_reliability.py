@@ -51,7 +51,8 @@ class FakeRobot:
 def system(tmp_path_factory):
     overrides = tmp_path_factory.mktemp("params") / "test.yaml"
     overrides.write_text("oxygen_observation:\n  ros__parameters:\n    stale_after_s: 0.5\n"
-                         "oxygen_engine:\n  ros__parameters:\n    max_queued_requests: 64\n")
+                         "oxygen_engine:\n  ros__parameters:\n    max_queued_requests: 64\n"
+                         "    max_queued_per_owner: 64\n")
     domain = private_domain(23)
     bringup = Bringup(["--robot", "demo", "--params-file", str(overrides), "--status-period", "2"], domain)
     client = RosClient(domain)

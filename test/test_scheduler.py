@@ -3,42 +3,9 @@ cancellation, timeouts, stale frames, bounded queue. The model really runs (a sm
 engine's notion of time is simulated: each runner operation advances the clock by a fixed cost."""
 import pytest
 
-from conftest import SimClock
+from conftest import ACTION_S, PREFILL_S, SimClock, decode_cost, simulate_costs
 from oxygen_ros.engine.requests import TextRequest
 from oxygen_ros.engine.scheduler import LanguageBudget
-
-PREFILL_S, ACTION_S = 0.040, 0.030
-TOKEN_S = 0.0005          # each question token beyond one per row (chunked question prefill)
-
-
-def decode_cost(batch: int) -> float:
-    return 0.010 + 0.002 * batch
-
-
-def extend_cost(rows) -> float:
-    """A forward over text rows: a decode step of that many rows, plus the extra question tokens."""
-    return decode_cost(len(rows)) + TOKEN_S * sum(len(r.tokens) - 1 for r in rows)
-
-
-def simulate_costs(engine, clock: SimClock, calls: list | None = None):
-    """Wrap the runner so each operation advances the simulated clock by a known cost."""
-    runner = engine.runner
-
-    def wrap(name, cost):
-        real = getattr(runner, name)
-
-        def timed(*args, **kwargs):
-            out = real(*args, **kwargs)
-            clock.advance(cost(*args))
-            if calls is not None:
-                calls.append(name)
-            return out
-        setattr(runner, name, timed)
-
-    wrap("prefill", lambda *a: PREFILL_S)
-    wrap("actions", lambda *a: ACTION_S)
-    wrap("extend", extend_cost)
-
 
 def test_decode_budget_rules():
     fixed = LanguageBudget("fixed", tokens_per_frame=5, min_steps=1, chunk_tokens=64)

@@ -133,7 +133,8 @@ def make_engine(model, setting: str, a, reply_tokens: int, tokens_per_frame: int
     cfg = EngineConfig(policy=setting, decode_budget="deadline" if a.deadline else "fixed",
                        tokens_per_frame=tokens_per_frame, action_rate_hz=a.action_rate_hz,
                        denoise_steps=a.denoise_steps, ignore_eos=True, max_active_requests=a.max_batch,
-                       max_queued_requests=max(64, 4 * a.max_batch), max_tokens_limit=max(256, reply_tokens),
+                       max_queued_requests=max(64, 4 * a.max_batch),
+                       max_queued_per_owner=max(64, 4 * a.max_batch), max_tokens_limit=max(256, reply_tokens),
                        seed=a.seed, cuda_graphs=False if a.no_cuda_graphs else None,
                        max_timeout_s=REQUEST_TIMEOUT_S)
     # Random full-size weights run with the shipped small tokenizer (the factory allows it without a checkpoint).

@@ -64,6 +64,7 @@ def engine_config(a) -> EngineConfig:
     return EngineConfig(policy="oxygen", decode_budget="fixed", tokens_per_frame=a.tokens_per_frame,
                         action_rate_hz=a.action_rate_hz, denoise_steps=a.denoise_steps, ignore_eos=True,
                         max_active_requests=a.max_batch, max_queued_requests=max(64, 4 * a.max_batch),
+                        max_queued_per_owner=max(64, 4 * a.max_batch),
                         max_tokens_limit=max(256, a.reply_tokens), seed=a.seed, max_timeout_s=REQUEST_TIMEOUT_S,
                         cuda_graphs=False if a.no_cuda_graphs else None)
 

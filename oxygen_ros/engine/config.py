@@ -40,8 +40,11 @@ class EngineConfig:
     max_robots_per_cycle: int = setting(8, "Most robots' frames prefilled and denoised together in one cycle; "
                                            "more pending wait for the next cycle, earliest deadline first.",
                                         minimum=1)
-    max_queued_requests: int = setting(64, "Requests that may wait for admission; more are refused as busy.",
-                                       minimum=0)
+    max_queued_requests: int = setting(64, "Conversation requests that may wait for admission in all; more are "
+                                           "refused as busy.", minimum=0)
+    max_queued_per_owner: int = setting(16, "Requests of one kind that one owner (a robot or client) may have "
+                                            "waiting; more are refused as busy, so one owner's flood never "
+                                            "refuses another's requests or captions.", minimum=0)
     max_tokens_limit: int = setting(256, "Largest max_tokens a request may ask for.", minimum=1)
     max_question_chars: int = setting(2000, "Longest question accepted (characters).", minimum=1)
     max_stop_strings: int = setting(16, "Most stop strings a request may give.", minimum=0, maximum=1024)

@@ -143,13 +143,29 @@ class Scheduler:
         with self._lock:
             if self.closed:
                 return refused(request, self.closed, now)
-            if len(self.waiting) >= self.config.max_queued_requests:
+            busy = self._busy(request)
+            if busy:
                 self.stats.count("refused_busy")
-                return refused(request, f"busy: {len(self.waiting)} requests already waiting "
-                                        f"(max_queued_requests={self.config.max_queued_requests})", now)
+                return refused(request, busy, now)
             self.waiting.append(seq)
         self.stats.count("submitted")
         return handle
+
+    def _busy(self, r: TextRequest) -> str:
+        """Under the lock: why the waiting queue cannot take `r` now, or "". Each owner (a robot, a client)
+        has its own cap per kind, so one owner's flood of questions never refuses another owner's requests
+        nor anyone's captions; conversation requests also share the total cap (captions are bounded by
+        their own per-owner cap alone: they come at most one per caption period)."""
+        c = self.config
+        mine = sum(1 for s in self.waiting if s.request.owner == r.owner and s.request.kind == r.kind)
+        if mine >= c.max_queued_per_owner:
+            whose = f"robot {r.owner!r}" if r.owner else "the robot"
+            return (f"busy: {whose} already has {mine} {r.kind} requests waiting "
+                    f"(max_queued_per_owner={c.max_queued_per_owner})")
+        total = sum(1 for s in self.waiting if s.request.kind == "conversation")
+        if r.kind == "conversation" and total >= c.max_queued_requests:
+            return f"busy: {total} requests already waiting (max_queued_requests={c.max_queued_requests})"
+        return ""
 
     def _validate(self, r: TextRequest) -> tuple[list[int], TextRequest]:
         c = self.config

@@ -1,0 +1,154 @@
+"""Actions first, whatever language asks (issue #20): question prefill inside the cycle's budget (chunked),
+fair waiting queues per owner, the fleet's capacity predicted and measured.
+
+Engine-level scheduling runs on a simulated clock (conftest.simulate_costs: each runner operation advances
+the clock by a fixed cost; the model really runs), so the assertions are about decisions, not this
+machine's speed. Numerics: chunked and unchunked question prefill write the same question K/V within
+KV_TOL (float32; measured bitwise equal on the CPU torch path, whose per-token arithmetic does not depend
+on how the question was cut; other kernels may round differently) and give the same greedy reply token
+for token; one chunk that holds the whole question is the unchunked forward, bitwise."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import SimClock, simulate_costs
+from oxygen_ros.engine.requests import TextRequest
+
+KV_TOL = 1e-5
+LONG = ("what colour is the cube on the left of the table and how far is it from the gripper? " * 30)[:1990]
+
+
+def question_kv(engine, seq) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V a sequence's question occupies in its own blocks [layers, tokens, heads, dim]."""
+    kv, n = engine.runner.pool.kv, len(seq.question)
+    blocks = torch.tensor(seq.blocks)
+    k = kv.k[:, blocks].flatten(1, 2)[:, :n]
+    v = kv.v[:, blocks].flatten(1, 2)[:, :n]
+    return k.clone(), v.clone()
+
+
+def run_until_prefilled(engine, obs, handle, limit=200):
+    """Frame cycles until the request's question is all in its blocks; returns (its sequence, cycles)."""
+    for i in range(1, limit):
+        engine.run_cycle(obs(i))
+        seq = next(s for s in engine.scheduler.running if s.handle is handle)
+        if not seq.prefilling:
+            return seq, i
+    raise AssertionError("question never prefilled")
+
+
+@pytest.mark.parametrize("chunk", [8, 37])
+def test_chunked_prefill_gives_the_same_kv_and_reply_as_one_forward(engine_factory, obs, chunk):
+    results = {}
+    for tokens in (chunk, 100_000):
+        engine = engine_factory(policy="oxygen", decode_budget="fixed", tokens_per_frame=1, kv_budget_mb=16.0,
+                                prefill_chunk_tokens=tokens)
+        engine.run_cycle(obs(0))
+        handle = engine.submit(TextRequest(LONG[:600], max_tokens=12))
+        seq, cycles = run_until_prefilled(engine, obs, handle)
+        results[tokens] = question_kv(engine, seq), cycles, seq
+    (k_chunked, v_chunked), cycles, seq = results[chunk]
+    (k_whole, v_whole), one_cycle, _ = results[100_000]
+    n = len(seq.question)
+    assert one_cycle == 1 and cycles == -(-n // chunk)                 # one chunk of `chunk` tokens per cycle
+    assert torch.allclose(k_chunked, k_whole, atol=KV_TOL, rtol=0) and torch.allclose(v_chunked, v_whole, atol=KV_TOL, rtol=0)
+
+    replies = {}
+    for tokens in (chunk, 100_000):
+        engine = engine_factory(policy="oxygen", decode_budget="fixed", tokens_per_frame=3, kv_budget_mb=16.0,
+                                prefill_chunk_tokens=tokens)
+        engine.run_cycle(obs(0))
+        handle = engine.submit(TextRequest(LONG[:600], max_tokens=12))
+        for i in range(1, 200):
+            engine.run_cycle(obs(1))           # the same frame every cycle: the request attaches to frame 1
+            if handle.done():
+                break
+        replies[tokens] = handle.result(0)
+    assert replies[chunk].success and replies[chunk].tokens == replies[100_000].tokens
+
+
+def test_one_chunk_holding_the_whole_question_is_the_unchunked_forward_bitwise(engine_factory, obs):
+    kvs = []
+    for tokens in (None, 100_000):
+        engine = engine_factory(policy="oxygen", decode_budget="fixed", tokens_per_frame=1,
+                                kv_budget_mb=16.0, **({} if tokens is None else {"prefill_chunk_tokens": tokens}))
+        engine.run_cycle(obs(0))
+        handle = engine.submit(TextRequest(LONG[:200], max_tokens=4))
+        question = len(engine.question_tokens(LONG[:200]))
+        if tokens is None:
+            engine.config.prefill_chunk_tokens = question          # exactly one chunk
+        kvs.append(question_kv(engine, run_until_prefilled(engine, obs, handle)[0]))
+    assert all(torch.equal(a, b) for a, b in zip(*kvs))
+
+
+def test_a_flood_of_long_questions_keeps_every_frame_inside_its_deadline(engine_factory, obs):
+    """The issue's attack at engine level: the waiting queue kept full of the longest questions a client may
+    send. Every frame cycle still ends before its deadline (the budget prefills what fits), the questions
+    advance every cycle (never starved), replies come out, nothing is dropped silently."""
+    clock = SimClock()
+    engine = engine_factory(clock=clock, policy="oxygen", decode_budget="deadline", action_rate_hz=25.0,
+                            kv_budget_mb=64.0, max_queued_requests=64, min_tokens_per_frame=1)
+    simulate_costs(engine, clock)
+    handles, reports = [], []
+    for i in range(40):
+        while engine.queued_requests < 64:                                  # keep the queue full
+            handles.append(engine.submit(TextRequest(LONG, max_tokens=32)))
+        reports.append(engine.run_cycle(obs(i)))
+    frames = reports[2:]                                                    # after the cost model's first measurements
+    assert all(r.chunks == 1 for r in reports)
+    assert not [r for r in frames if r.deadline_missed], [round(r.duration_s, 3) for r in frames]
+    assert all(r.question_tokens >= engine.config.prefill_chunk_tokens for r in reports)    # language advances
+    assert sum(r.tokens for r in reports) > 0
+    done = [h.result(0) for h in handles if h.done()]
+    assert any(r.success for r in done) and all(r.success or r.error for r in done)
+
+
+def test_question_prefill_progresses_even_when_the_frame_is_already_late(engine_factory, obs):
+    """Prefill and actions alone exceed the frame period: the budget still prefills one chunk and decodes
+    min_tokens_per_frame steps per cycle (language slowed, never starved)."""
+    clock = SimClock()
+    engine = engine_factory(clock=clock, policy="oxygen", decode_budget="deadline", action_rate_hz=100.0,
+                            kv_budget_mb=16.0, min_tokens_per_frame=1, prefill_chunk_tokens=16)
+    simulate_costs(engine, clock)
+    running = engine.submit(TextRequest("what is on the table?", max_tokens=40))
+    engine.run_cycle(obs(0))
+    engine.submit(TextRequest(LONG[:600], max_tokens=8))
+    for i in range(1, 4):
+        report = engine.run_cycle(obs(i))
+        assert report.deadline_missed and report.question_tokens == 16 and report.decode_steps == 1
+    assert not running.done() and engine.scheduler.running[0].tokens
+
+
+# ---------------------------------------------------------------------------------------------- fair queues
+def test_one_robots_flood_never_refuses_another_robots_questions_or_captions(small_model):
+    """The issue's fleet case: robot a's 200 questions used to fill the shared queue, and all of robot b's
+    questions and captions came back busy. Each owner now has its own cap per kind."""
+    from oxygen_ros.engine.engine import EngineConfig
+    from oxygen_ros.engine.factory import build_engine
+    from oxygen_ros.robot.policy_io import RobotIOConfig
+
+    engine = build_engine(built_model=small_model, kv_budget_mb=8.0, robots={"a": RobotIOConfig(), "b": RobotIOConfig()},
+                          engine=EngineConfig(max_queued_requests=64, max_queued_per_owner=16, memory_every_frames=1))
+    flood = [engine.submit(TextRequest("what is on the table?", owner="a")) for _ in range(200)]
+    refused = [h.result(0) for h in flood if h.done()]
+    assert len(refused) == 200 - 16
+    assert refused[0].error == "busy: robot 'a' already has 16 conversation requests waiting (max_queued_per_owner=16)"
+    mine = [engine.submit(TextRequest("what is on the table?", owner="b")) for _ in range(10)]
+    assert not any(h.done() for h in mine)                                   # b's questions all wait
+    # captions of both robots are requested on their frames and are not refused by a's flood
+    from conftest import make_observation
+    engine.run_frames({"a": make_observation(0), "b": make_observation(0, seed=2)})
+    assert engine.stats.counter("captions_failed") == 0
+    assert {s.request.owner for s in list(engine.scheduler.waiting) + engine.scheduler.running
+            if s.request.kind == "memory"} == {"a", "b"}
+
+
+def test_the_total_cap_still_bounds_conversation_requests(engine_factory):
+    engine = engine_factory(max_queued_requests=20, max_queued_per_owner=16)
+    from oxygen_ros.engine.factory import robot_preparer
+    engine.add_robot("b", robot_preparer(engine.runner.cfg, engine.tokenizer, engine.preparer.io.config))
+    handles = [engine.submit(TextRequest("hello", owner=o)) for o in ["", "b"] * 12]
+    refused = [h.result(0).error for h in handles if h.done()]
+    assert len(refused) == 4 and all(e == "busy: 20 requests already waiting (max_queued_requests=20)" for e in refused)
