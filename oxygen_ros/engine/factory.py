@@ -10,10 +10,9 @@ import torch
 
 from oxygen_ros.model.checkpoint import init_random_weights, load_pi05
 from oxygen_ros.model.config import Pi05Config, load_config, preset
-from oxygen_ros.model.normalize import Normalizer
 from oxygen_ros.model.pi05 import Pi05
 from oxygen_ros.model.tokenizer import Tokenizer
-from oxygen_ros.robot.policy_io import PolicyIO, RobotIOConfig
+from oxygen_ros.robot.policy_io import RobotIOConfig, build_policy_io
 
 from .config import EngineConfig
 from .engine import Engine
@@ -56,8 +55,9 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
                  built_model: Pi05 | None = None, **config_overrides) -> Engine:
     """`robots`: {name: its RobotIOConfig} for an engine serving several robots (issue #17; the model and
     the KV pool are shared); without it the engine serves one robot, "", with `robot_io`. `norm_stats` and
-    `asset_id`: one source for every robot, or {robot: source} (None: identity) — a fleet may mix
-    embodiments, each with its own norm_stats.json. Every problem is listed before refusing."""
+    `asset_id`: one source for every robot, or {robot: source} (None: a LeRobot checkpoint's own statistics,
+    else identity) — a fleet may mix embodiments, each with its own norm_stats.json. Every problem is listed
+    before refusing."""
     from oxygen_ros.model.attention import default_backend
 
     robots = _robots(robot_io, robots)
@@ -79,8 +79,9 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
     preparers = {}
     for name, io_cfg in robots.items():
         stats, asset = norm_sources["norm_stats"][name], norm_sources["asset_id"][name]
-        norm = Normalizer.load(stats, asset) if stats else Normalizer.identity()
-        io = PolicyIO(io_cfg, norm, cfg.action_dim, cfg.vision.image_size)
+        io = build_policy_io(io_cfg, checkpoint=checkpoint, norm_stats=stats, asset_id=asset,
+                             model_action_dim=cfg.action_dim, image_size=cfg.vision.image_size,
+                             camera_slots=cfg.camera_slots)
         preparers[name] = FramePreparer(cfg, tok, io, state_in_prompt)
     return Engine(ModelRunner(net, pool, backend), preparers, tok, engine or EngineConfig())
 
