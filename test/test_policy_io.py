@@ -140,9 +140,11 @@ def test_cameras_marked_rotate_180_are_turned_before_resizing():
     img = np.zeros((112, 224, 3), np.uint8)
     img[0, 0] = 255                                    # top-left pixel
     out = io.model_inputs({"base_0_rgb": img, "left_wrist_0_rgb": img}, np.zeros(8))
-    # 224 x 112 -> padded by 56 rows above and below; the pixel lands bottom-right of the content, or stays.
-    assert out.images["base_0_rgb"][167, 223].tolist() == [255] * 3 and out.images["base_0_rgb"][56, 0].sum() == 0
-    assert out.images["left_wrist_0_rgb"][56, 0].tolist() == [255] * 3
+    # 224 x 112 -> padded by 56 rows above and below; the pixel lands bottom-right of the content, or stays
+    # (model pixels: [3, 224, 224] in [-1, 1]).
+    base, wrist = out.images["base_0_rgb"], out.images["left_wrist_0_rgb"]
+    assert base[:, 167, 223].tolist() == [1.0] * 3 and base[:, 56, 0].tolist() == [-1.0] * 3
+    assert wrist[:, 56, 0].tolist() == [1.0] * 3
 
 
 def test_normalisation_matches_openpi_quantiles():
@@ -169,7 +171,7 @@ def test_bad_inputs_are_input_errors():
     with pytest.raises(InputError, match="delta actions need"):
         io.robot_actions(np.zeros((2, 32)))
     # An extreme aspect ratio is resized, not an exception.
-    assert io.image("base_0_rgb", np.full((1, 500, 3), 9, np.uint8)).shape == (224, 224, 3)
+    assert io.image("base_0_rgb", np.full((1, 500, 3), 9, np.uint8)).shape == (3, 224, 224)
 
 
 def test_config_problems_are_all_listed():

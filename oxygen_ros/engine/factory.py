@@ -10,10 +10,9 @@ import torch
 
 from oxygen_ros.model.checkpoint import init_random_weights, load_pi05
 from oxygen_ros.model.config import Pi05Config, load_config, preset
-from oxygen_ros.model.normalize import Normalizer
 from oxygen_ros.model.pi05 import Pi05
 from oxygen_ros.model.tokenizer import Tokenizer
-from oxygen_ros.robot.policy_io import PolicyIO, RobotIOConfig
+from oxygen_ros.robot.policy_io import RobotIOConfig, build_policy_io
 
 from .config import EngineConfig
 from .engine import Engine
@@ -58,9 +57,10 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
     """`robots`: {name: its RobotIOConfig} for an engine serving several robots (the model and the KV pool
     are shared; {} for none yet: add them with `Engine.add_robot` and `robot_preparer`); without it the
     engine serves one robot, "", with `robot_io`. `norm_stats` and `asset_id`: one source for every robot,
-    or {robot: source} (None: identity) — a fleet may mix embodiments, each with its own norm_stats.json.
-    `make_runner(model, pool, backend)`: the engine's door to the model; a subclass of ModelRunner may
-    stand for a device (the preparer benchmark's device-bound cycle, bench/preparer.py). Every problem is listed before refusing."""
+    or {robot: source} (None: a LeRobot checkpoint's own statistics, else identity) — a fleet may mix
+    embodiments, each with its own norm_stats.json. `make_runner(model, pool, backend)`: the engine's door to
+    the model; a subclass of ModelRunner may stand for a device (the preparer benchmark's device-bound cycle,
+    bench/preparer.py). Every problem is listed before refusing."""
     from oxygen_ros.model.attention import default_backend
 
     robots = _robots(robot_io, robots)
@@ -80,18 +80,21 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
     pool = KVPool.from_budget(int(kv_budget_mb * 2**20), cfg.vlm.depth, cfg.vlm.num_kv_heads, cfg.vlm.head_dim,
                               block_size, net.dtype, net.device)
     preparers = {name: robot_preparer(cfg, tok, io_cfg, norm_sources["norm_stats"][name],
-                                      norm_sources["asset_id"][name], state_in_prompt)
+                                      norm_sources["asset_id"][name], state_in_prompt, checkpoint)
                  for name, io_cfg in robots.items()}
     return Engine(make_runner(net, pool, backend), preparers, tok, engine or EngineConfig())
 
 
 def robot_preparer(cfg: Pi05Config, tokenizer: Tokenizer, io_cfg: RobotIOConfig, norm_stats: str | None = None,
-                   asset_id: str | None = None, state_in_prompt: bool = True) -> FramePreparer:
-    """One robot's side of an engine (for `Engine.add_robot`): its policy I/O with its norm stats (None:
-    identity) at the model's action width and image size."""
-    norm = Normalizer.load(norm_stats, asset_id) if norm_stats else Normalizer.identity()
-    return FramePreparer(cfg, tokenizer, PolicyIO(io_cfg, norm, cfg.action_dim, cfg.vision.image_size),
-                         state_in_prompt)
+                   asset_id: str | None = None, state_in_prompt: bool = True,
+                   checkpoint: str | None = None) -> FramePreparer:
+    """One robot's side of an engine (also for `Engine.add_robot`): the policy I/O its checkpoint was
+    trained with (LeRobot's or openpi's, robot/policy_io.build_policy_io) and its statistics, at the model's
+    action width and image size."""
+    io = build_policy_io(io_cfg, checkpoint=checkpoint, norm_stats=norm_stats, asset_id=asset_id,
+                         model_action_dim=cfg.action_dim, image_size=cfg.vision.image_size,
+                         camera_slots=cfg.camera_slots)
+    return FramePreparer(cfg, tokenizer, io, state_in_prompt)
 
 
 def _robots(robot_io: RobotIOConfig | None, robots: Mapping[str, RobotIOConfig] | None) -> dict[str, RobotIOConfig]:

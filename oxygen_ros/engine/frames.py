@@ -15,7 +15,6 @@ import torch
 
 from oxygen_ros.model.config import Pi05Config
 from oxygen_ros.model.pi05 import PrefixRow
-from oxygen_ros.model.preprocess import to_pixels
 from oxygen_ros.model.tokenizer import Tokenizer
 from oxygen_ros.robot.errors import InputError
 from oxygen_ros.robot.policy_io import PolicyIO, RobotIOConfig
@@ -60,7 +59,7 @@ class FramePreparer:
             raise InputError(f"state must be a finite vector: {e}") from None
         inputs = self.io.model_inputs({s: obs.images.get(s) for s in slots if obs.image_masks.get(s, False)},
                                       state)                                      # policy input transform
-        images = [to_pixels(inputs.images[s], self.cfg.vision.image_size) for s in slots if s in inputs.images]
+        images = [inputs.images[s] for s in slots if s in inputs.images]
         if not images:
             raise InputError("observation has no valid camera image")
         return self._with_prompt(torch.stack(images), float(stamp), state, inputs.state_normalized, obs.prompt)

@@ -213,10 +213,14 @@ def checkpoint_settings(path: str | Path) -> dict:
 
 @dataclass(frozen=True)
 class LeRobotPolicy:
-    """What a LeRobot pi05 directory says about its inputs (config.json)."""
+    """What a LeRobot pi05 directory says about serving it (config.json, and the processor configs LeRobot
+    serves it with): the pipeline around the model follows LeRobot's, not openpi's."""
 
     cameras: tuple[str, ...]      # image features, in input_features order: the order they enter the prefix
     state_in_prompt: bool = True  # LeRobot's pi05 processor always puts the discretised state in the prompt
+    action_dim: int | None = None                 # the action feature's size: the model's chunk is cut to it
+    image_resolution: tuple[int, int] | None = None   # (height, width) LeRobot resizes camera images to
+    relative_mask: tuple[bool, ...] = ()          # relative actions: action dims that get the state added back
 
     def camera_slots(self, slots: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
         """({feature: model slot}, problems). LeRobot feeds its cameras in input_features order, so the
@@ -236,17 +240,71 @@ class LeRobotPolicy:
 
 
 def lerobot_policy(path: str | Path) -> LeRobotPolicy | None:
-    """The LeRobot pi05 settings of a checkpoint directory (config.json with "type": "pi05"); None otherwise."""
+    """The LeRobot pi05 settings of a checkpoint directory (config.json with "type": "pi05"); None otherwise.
+    Relative actions as LeRobot 0.6.1 serves them: the post-processor's absolute_actions_processor adds the
+    (raw) state back on the dimensions its pre-processor's relative_actions_processor marks: all of them,
+    except those whose name in `action_names` contains one of `exclude_joints` (default "gripper"). A
+    directory without processor configs is read as LeRobot would build them from config.json
+    (use_relative_actions, relative_exclude_joints, action_feature_names)."""
     path = Path(path)
-    config = (path if path.is_dir() else path.parent) / "config.json"
-    try:
-        data = json.loads(config.read_text()) if config.is_file() else None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config}: not valid JSON ({e})") from None
+    folder = path if path.is_dir() else path.parent
+    data = _json(folder / "config.json")
     if not isinstance(data, dict) or data.get("type") != "pi05":
         return None
     features = data.get("input_features") or {}
-    return LeRobotPolicy(tuple(k for k, v in features.items() if isinstance(v, dict) and v.get("type") == "VISUAL"))
+    action = ((data.get("output_features") or {}).get("action") or {}).get("shape")
+    action_dim = int(action[0]) if isinstance(action, list) and len(action) == 1 else None
+    resolution = data.get("image_resolution")
+    resolution = tuple(map(int, resolution)) if isinstance(resolution, list) and len(resolution) == 2 else None
+    relative = _relative_step(folder, data)
+    mask: tuple[bool, ...] = ()
+    if relative is not None:
+        if action_dim is None:
+            raise CheckpointError(f"{folder / 'config.json'}: relative actions need the action feature's size "
+                                  f"(output_features.action.shape)")
+        mask = _relative_mask(action_dim, *relative)
+    return LeRobotPolicy(tuple(k for k, v in features.items() if isinstance(v, dict) and v.get("type") == "VISUAL"),
+                         action_dim=action_dim, image_resolution=resolution, relative_mask=mask)
+
+
+def _json(file: Path):
+    try:
+        return json.loads(file.read_text()) if file.is_file() else None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+
+
+def _relative_step(folder: Path, config: dict) -> tuple[list[str], list[str] | None] | None:
+    """(exclude_joints, action_names) when the directory's actions are relative; None when absolute."""
+    pre, post = _json(folder / "policy_preprocessor.json"), _json(folder / "policy_postprocessor.json")
+    if pre is None and post is None:
+        if not config.get("use_relative_actions", False):
+            return None
+        return list(config.get("relative_exclude_joints", ["gripper"]) or []), config.get("action_feature_names")
+
+    def step(pipeline, name):
+        steps = pipeline.get("steps") if isinstance(pipeline, dict) else None
+        found = [s for s in steps or [] if isinstance(s, dict) and s.get("registry_name") == name]
+        return found[0].get("config") or {} if found else None
+
+    absolute = step(post, "absolute_actions_processor")
+    if not (absolute or {}).get("enabled", False):
+        return None
+    relative = step(pre, "relative_actions_processor")
+    if relative is None:
+        raise CheckpointError(f"{folder}: the post-processor adds the state to the actions (absolute_actions_"
+                              f"processor) but the pre-processor has no relative_actions_processor to say where")
+    return list(relative.get("exclude_joints") or []), relative.get("action_names")
+
+
+def _relative_mask(action_dim: int, exclude_joints: list[str], action_names: list[str] | None) -> tuple[bool, ...]:
+    """LeRobot 0.6.1's RelativeActionsProcessorStep._build_mask."""
+    tokens = [str(name).lower() for name in exclude_joints if name]
+    if not tokens or action_names is None:
+        return (True,) * action_dim
+    mask = [not any(t == str(name).lower() or t in str(name).lower() for t in tokens)
+            for name in action_names[:action_dim]]
+    return tuple(mask + [True] * (action_dim - len(mask)))
 
 
 def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "cpu",

@@ -1,20 +1,30 @@
-"""openpi normalisation statistics (`norm_stats.json`) and the state/action (un)normalisation.
+"""State/action (un)normalisation, by the rule of the statistics' origin.
 
-File format (openpi `normalize.save`): {"norm_stats": {"state": {"mean", "std", "q01", "q99"},
-"actions": {...}}}. π0.5 normalises with quantiles to [-1, 1]:
+openpi (`norm_stats.json`, openpi `normalize.save`): {"norm_stats": {"state": {"mean", "std", "q01", "q99"},
+"actions": {...}}}. π0.5 normalises with quantiles to [-1, 1] (openpi's `use_quantile_norm`):
     x_norm = (x - q01) / (q99 - q01 + 1e-6) * 2 - 1,   x = (x_norm + 1) / 2 * (q99 - q01 + 1e-6) + q01;
 π0 used z-scores ((x - mean) / (std + 1e-6)). Statistics may cover fewer dimensions than the model's
-padded action_dim: only those are (un)normalised, as upstream.
+padded action_dim: only those are (un)normalised, as upstream. Arithmetic in float64.
 
-LeRobot directories keep the same statistics in their processors' state:
-`policy_preprocessor_step_<i>_normalizer_processor.safetensors` (and the post-processor's
-`..._unnormalizer_processor.safetensors`), flat keys `observation.state.q01`, `action.q99`, ...; LeRobot's
-quantile formula agrees with openpi's to ~1e-6, and openpi's is the one applied here.
+LeRobot (a policy directory saved by LeRobot 0.6.1): its pre-processor's `normalizer_processor` step and
+its post-processor's `unnormalizer_processor` step, as `policy_preprocessor.json` / `policy_postprocessor.json`
+describe them (features, `norm_map` feature type -> mode, `eps`) with their statistics in
+`policy_{pre,post}processor_step_<i>_{normalizer,unnormalizer}_processor.safetensors` (flat keys
+`observation.state.q01`, `action.std`, `observation.images.<cam>.mean`, ...). Each mode is computed as
+LeRobot's `_NormalizationMixin._apply_transform` computes it (`FeatureNorm`): float32 statistics and
+float32 arithmetic in its operation order, `eps` (1e-8) only where LeRobot adds it:
+    MEAN_STD    (x - mean) / (std + eps)                 x = x_n * std + mean
+    MIN_MAX     2 * (x - min) / d - 1, d = max - min     x = (x_n + 1) / 2 * d + min
+    QUANTILES   2 * (x - q01) / d - 1, d = q99 - q01     x = (x_n + 1) * d / 2 + q01
+    QUANTILE10  as QUANTILES with q10, q90
+    IDENTITY    x
+with d = eps where it is 0 (a joint that never moved: its value normalises to exactly -1).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +32,17 @@ import numpy as np
 EPS = 1e-6
 LEROBOT_NORMALIZER = "policy_preprocessor_step_*_normalizer_processor.safetensors"
 LEROBOT_UNNORMALIZER = "policy_postprocessor_step_*_unnormalizer_processor.safetensors"
+LEROBOT_PREPROCESSOR = "policy_preprocessor.json"
+LEROBOT_POSTPROCESSOR = "policy_postprocessor.json"
+# LeRobot 0.6.1's NormalizationMode values and the statistics each needs (lerobot/configs/types.py).
+LEROBOT_MODES = {"IDENTITY": (), "MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max"),
+                 "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90")}
+LEROBOT_EPS = 1e-8                  # NormalizerProcessorStep's default
+# PI05Config.normalization_mapping's default: what a pi05 config.json without the field means.
+PI05_NORMALIZATION = {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"}
+LEROBOT_STATE, LEROBOT_ACTION = "observation.state", "action"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
@@ -50,25 +71,48 @@ def _stats(name: str, d: dict) -> Stats:
     return s
 
 
+def is_lerobot_directory(path: str | Path) -> bool:
+    """A LeRobot policy directory: its processors' files, and no openpi norm_stats.json."""
+    path = Path(path)
+    if not path.is_dir() or list(path.glob("**/norm_stats.json")):
+        return False
+    return any(list(path.glob(pattern)) for pattern in
+               (LEROBOT_PREPROCESSOR, LEROBOT_POSTPROCESSOR, LEROBOT_NORMALIZER, LEROBOT_UNNORMALIZER))
+
+
+def load_normalizer(path: str | Path, asset_id: str | None = None,
+                    use_quantiles: bool = True) -> "Normalizer | LeRobotNormalizer":
+    """The statistics at `path` with their origin's rule: a LeRobot policy directory -> LeRobot's
+    (un)normaliser; otherwise an openpi norm_stats.json or a checkpoint directory holding
+    assets/<asset_id>/norm_stats.json -> openpi's (quantiles unless `use_quantiles` is False)."""
+    if is_lerobot_directory(path):
+        return LeRobotNormalizer.load(path)
+    return Normalizer.load(path, asset_id, use_quantiles)
+
+
 @dataclass(frozen=True, eq=False)
 class Normalizer:
+    """openpi's rule (float64)."""
+
     state: Stats | None
     actions: Stats | None
     use_quantiles: bool = True
+    source: str = ""                # where the statistics came from (the log's words)
 
     @classmethod
     def identity(cls) -> "Normalizer":
-        return cls(None, None)
+        return cls(None, None, source="none (no normalisation)")
+
+    def describe(self) -> str:
+        return f"{self.source} (openpi rule, {'quantiles' if self.use_quantiles else 'mean/std'})"
 
     @classmethod
     def load(cls, path: str | Path, asset_id: str | None = None, use_quantiles: bool = True) -> "Normalizer":
-        """`path`: a norm_stats.json, a checkpoint directory holding assets/<asset_id>/norm_stats.json, or a
-        LeRobot policy directory (its normaliser processors' safetensors)."""
+        """`path`: an openpi norm_stats.json, or a checkpoint directory holding assets/<asset_id>/norm_stats.json."""
         path = Path(path)
-        lerobot = [f for pattern in (LEROBOT_NORMALIZER, LEROBOT_UNNORMALIZER)
-                   for f in sorted(path.glob(pattern))] if path.is_dir() else []
-        if lerobot and not list(path.glob("**/norm_stats.json")):
-            return cls._check(cls._from_lerobot(lerobot, use_quantiles), path)
+        if is_lerobot_directory(path):
+            raise ValueError(f"{path}: a LeRobot policy directory, not openpi statistics (load_normalizer "
+                             f"reads it with LeRobot's rule)")
         if path.is_dir():
             # openpi asset ids may contain a slash (assets/physical-intelligence/libero/norm_stats.json).
             found = sorted(path.glob("assets/**/norm_stats.json")) + sorted(path.glob("norm_stats.json"))
@@ -89,28 +133,7 @@ class Normalizer:
         if unknown:
             raise ValueError(f"{path}: unknown norm stats keys {unknown} (expected 'state' and 'actions')")
         norm = cls(_stats("state", stats["state"]) if "state" in stats else None,
-                   _stats("actions", stats["actions"]) if "actions" in stats else None, use_quantiles)
-        return cls._check(norm, path)
-
-    @classmethod
-    def _from_lerobot(cls, files: list[Path], use_quantiles: bool) -> "Normalizer":
-        """State and action statistics from LeRobot processor files (the first file holding each wins:
-        the pre-processor's normaliser, then the post-processor's unnormaliser)."""
-        from safetensors.numpy import load_file
-
-        found: dict[str, dict] = {}
-        for f in files:
-            flat = load_file(str(f))
-            for feature, ours in (("observation.state", "state"), ("action", "actions")):
-                stats = {k[len(feature) + 1:]: v.tolist() for k, v in flat.items() if k.startswith(feature + ".")
-                         and "." not in k[len(feature) + 1:]}
-                if stats and ours not in found:
-                    found[ours] = stats
-        return cls(_stats("state", found["state"]) if "state" in found else None,
-                   _stats("actions", found["actions"]) if "actions" in found else None, use_quantiles)
-
-    @staticmethod
-    def _check(norm: "Normalizer", path: Path) -> "Normalizer":
+                   _stats("actions", stats["actions"]) if "actions" in stats else None, use_quantiles, str(path))
         if norm.state is None and norm.actions is None:
             raise ValueError(f"{path}: no state or action statistics found")
         if norm.use_quantiles:
@@ -137,3 +160,223 @@ class Normalizer:
             mean, std = s.mean[:dim], s.std[:dim] + EPS
             head = (head - mean) / std if forward else head * std + mean
         return np.concatenate([head, tail], axis=-1)
+
+
+# --------------------------------------------------------------------------------------------- LeRobot
+@dataclass(frozen=True, eq=False)
+class FeatureNorm:
+    """One feature's (un)normalisation as LeRobot 0.6.1 computes it (see the module docstring): float32
+    statistics (as LeRobot stores and loads them) and float32 arithmetic (its tensors' dtype) in its
+    operation order, so that the results agree bit for bit."""
+
+    feature: str
+    mode: str               # a LEROBOT_MODES key other than IDENTITY
+    lo: np.ndarray          # float32: mean, min, q01 or q10
+    hi: np.ndarray          # float32: std, max, q99 or q90
+    eps: np.float32
+
+    @property
+    def dim(self) -> int:
+        return self.lo.shape[0]
+
+    def _span(self) -> np.ndarray:
+        span = self.hi - self.lo
+        return np.where(span == 0, self.eps, span)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float32)
+        if self.mode == "MEAN_STD":
+            return (x - self.lo) / (self.hi + self.eps)
+        return 2.0 * (x - self.lo) / self._span() - 1.0
+
+    def inverse(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float32)
+        if self.mode == "MEAN_STD":
+            return x * self.hi + self.lo
+        if self.mode == "MIN_MAX":
+            return (x + 1.0) / 2.0 * self._span() + self.lo
+        return (x + 1.0) * self._span() / 2.0 + self.lo
+
+
+@dataclass(frozen=True, eq=False)
+class LeRobotNormalizer:
+    """A LeRobot policy directory's normaliser (state, images) and unnormaliser (actions); None or absent:
+    IDENTITY. Inputs are taken as float32, as LeRobot's dataset and inference frames are."""
+
+    state: FeatureNorm | None
+    actions: FeatureNorm | None
+    images: dict[str, FeatureNorm] = field(default_factory=dict)   # VISUAL feature -> its normalisation
+    modes: dict[str, str] = field(default_factory=dict)            # feature type -> mode, as the files say
+    source: str = ""
+
+    def describe(self) -> str:
+        modes = ", ".join(f"{t} {m}" for t, m in self.modes.items())
+        return f"{self.source} (LeRobot rule, float32: {modes})"
+
+    def normalize_state(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float32)
+        if self.state is None:
+            return x
+        if x.shape[-1] != self.state.dim:
+            raise ValueError(f"state has {x.shape[-1]} values, the LeRobot checkpoint's {self.state.feature} "
+                             f"{self.state.dim}")
+        return self.state.forward(x)
+
+    def unnormalize_actions(self, x: np.ndarray) -> np.ndarray:
+        """[..., A] -> float32; the first `actions.dim` dimensions (the action feature) un-normalised."""
+        x = np.asarray(x, dtype=np.float32)
+        if self.actions is None:
+            return x
+        if x.shape[-1] < self.actions.dim:
+            raise ValueError(f"actions have {x.shape[-1]} dimensions, the LeRobot checkpoint's "
+                             f"{self.actions.feature} {self.actions.dim}")
+        head = self.actions.inverse(x[..., :self.actions.dim])
+        return np.concatenate([head, x[..., self.actions.dim:]], axis=-1)
+
+    def normalize_image(self, feature: str, x: np.ndarray) -> np.ndarray:
+        """A camera's float32 [3, H, W] image in [0, 1] (before LeRobot's resize), normalised when its
+        VISUAL mode says so."""
+        norm = self.images.get(feature)
+        return np.asarray(x, np.float32) if norm is None else norm.forward(x)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LeRobotNormalizer":
+        """From the processor files LeRobot serves the directory with. Every feature's mode must be one
+        LeRobot 0.6.1 defines and have its statistics: otherwise a one-line ValueError naming both."""
+        path = Path(path)
+        pre = _processor_step(path, LEROBOT_PREPROCESSOR, "normalizer_processor", LEROBOT_NORMALIZER)
+        post = _processor_step(path, LEROBOT_POSTPROCESSOR, "unnormalizer_processor", LEROBOT_UNNORMALIZER)
+        if pre is None and post is None:
+            raise ValueError(f"{path}: no LeRobot normaliser or unnormaliser found (policy_preprocessor.json, "
+                             f"policy_postprocessor.json or their statistics files)")
+        # The state and images: the pre-processor's normaliser; the actions: the post-processor's
+        # unnormaliser (LeRobot's own split), or the normaliser when the directory has no post-processor.
+        action_step = post or pre
+        for step in (s for s in (pre, post) if s is not None):
+            for kind, mode in step.norm_map.items():
+                if mode not in LEROBOT_MODES:
+                    named = [f for f, t in step.features.items() if t == kind] or [f"(no {kind} feature)"]
+                    raise ValueError(f"{path}: feature {', '.join(named)} ({kind}) has normalisation mode "
+                                     f"'{mode}', not one of LeRobot 0.6.1's {', '.join(LEROBOT_MODES)}")
+        modes = dict(action_step.norm_map) | (dict(pre.norm_map) if pre else {})
+        _check_config_mapping(path, modes)
+
+        def norm(step: _Step, feature: str, kind: str) -> FeatureNorm | None:
+            mode = step.norm_map.get(kind, "IDENTITY")        # LeRobot: a type not in norm_map is IDENTITY
+            if mode == "IDENTITY" or not step.normalizes(feature):
+                return None
+            needs = LEROBOT_MODES[mode]
+            missing = [k for k in needs if f"{feature}.{k}" not in step.stats]
+            if missing:
+                raise ValueError(f"{path}: feature '{feature}' ({kind}) is normalised with {mode}, but "
+                                 f"{step.stats_file} has no {' or '.join(missing)} for it")
+            lo, hi = (step.stats[f"{feature}.{k}"] for k in needs)
+            if kind == "VISUAL" and lo.ndim == 1:         # per-channel stats broadcast over [C, H, W]
+                lo, hi = lo.reshape(-1, 1, 1), hi.reshape(-1, 1, 1)
+            if lo.shape != hi.shape or (kind != "VISUAL" and lo.ndim != 1) \
+                    or not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
+                raise ValueError(f"{path}: feature '{feature}' ({kind}) {mode} statistics {'/'.join(needs)} "
+                                 f"must be finite vectors of one length, got shapes {list(lo.shape)} and "
+                                 f"{list(hi.shape)}")
+            return FeatureNorm(feature, mode, lo, hi, np.float32(step.eps))
+
+        # LeRobot normalises the observation features its normaliser lists (by their type); the action
+        # by the ACTION mode alone.
+        state_kind = pre.features.get(LEROBOT_STATE) if pre else None
+        state = norm(pre, LEROBOT_STATE, state_kind) if state_kind else None
+        actions = norm(action_step, LEROBOT_ACTION, "ACTION")
+        images = {f: n for f, kind in (pre.features.items() if pre else ()) if kind == "VISUAL"
+                  for n in [norm(pre, f, kind)] if n is not None}
+        return cls(state, actions, images, {k: modes[k] for k in ("STATE", "ACTION", "VISUAL") if k in modes},
+                   f"LeRobot processors in {path}")
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A LeRobot (un)normaliser step: its config and its statistics (float32, as LeRobot loads them)."""
+
+    norm_map: dict[str, str]            # feature type -> mode
+    features: dict[str, str]            # feature -> type
+    eps: float
+    only: frozenset[str] | None         # normalize_observation_keys (None: every observation feature)
+    stats: dict[str, np.ndarray]
+    stats_file: str
+
+    def normalizes(self, feature: str) -> bool:
+        return feature == LEROBOT_ACTION or self.only is None or feature in self.only
+
+
+def _processor_step(path: Path, pipeline: str, registry_name: str, pattern: str) -> _Step | None:
+    """The step `registry_name` of the processor JSON `pipeline`, with its statistics. A directory without
+    the JSON (only the statistics files) is read as a pi05 config.json describes it: modes from its
+    normalization_mapping (pi05's default when absent), eps 1e-8, features by LeRobot's names."""
+    from safetensors.numpy import load_file
+
+    def stats_of(file: Path) -> dict[str, np.ndarray]:
+        try:
+            return {k: v.astype(np.float32) for k, v in load_file(str(file)).items()}
+        except Exception as e:  # noqa: BLE001 - SafetensorError (not exported), OSError: the file is unusable
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+
+    config_file = path / pipeline
+    if config_file.is_file():
+        try:
+            steps = json.loads(config_file.read_text())["steps"]
+            entries = [s for s in steps if s.get("registry_name") == registry_name]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{config_file}: not a LeRobot processor config ({type(e).__name__}: {e})") from None
+        if not entries:
+            return None
+        if len(entries) > 1:
+            raise ValueError(f"{config_file}: {len(entries)} {registry_name} steps, expected one")
+        config = entries[0].get("config") or {}
+        state_file = entries[0].get("state_file")
+        stats = stats_of(path / state_file) if state_file and (path / state_file).is_file() else {}
+        only = config.get("normalize_observation_keys")
+        return _Step({str(k): str(v) for k, v in (config.get("norm_map") or {}).items()},
+                     {str(k): str((v or {}).get("type")) for k, v in (config.get("features") or {}).items()},
+                     float(config.get("eps", LEROBOT_EPS)), None if only is None else frozenset(only), stats,
+                     str(state_file or f"{pipeline} (no state_file)"))
+    files = sorted(path.glob(pattern))
+    if not files:
+        return None
+    if len(files) > 1:
+        raise ValueError(f"{path}: several {pattern} files {[f.name for f in files]} and no {pipeline} to "
+                         f"say which is used")
+    stats = stats_of(files[0])
+    config = _config(path)
+    features = {str(k): str(v.get("type")) for group in ("input_features", "output_features")
+                for k, v in (config.get(group) or {}).items() if isinstance(v, dict)}
+    if not features:                    # no config.json features: LeRobot's names say what each one is
+        names = {k.rsplit(".", 1)[0] for k in stats}
+        features = {n: "STATE" if n == LEROBOT_STATE else "ACTION" if n == LEROBOT_ACTION else "VISUAL"
+                    for n in names if n in (LEROBOT_STATE, LEROBOT_ACTION) or n.startswith("observation.images.")}
+    return _Step(_config_mapping(path) or dict(PI05_NORMALIZATION), features, LEROBOT_EPS, None, stats,
+                 files[0].name)
+
+
+def _config(path: Path) -> dict:
+    """The directory's config.json ({} when there is none)."""
+    config = path / "config.json"
+    try:
+        data = json.loads(config.read_text()) if config.is_file() else {}
+    except ValueError as e:
+        raise ValueError(f"{config}: not valid JSON ({e})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _config_mapping(path: Path) -> dict[str, str] | None:
+    """config.json's normalization_mapping (None: no config.json or no such field)."""
+    mapping = _config(path).get("normalization_mapping")
+    return {str(k): str(v) for k, v in mapping.items()} if isinstance(mapping, dict) else None
+
+
+def _check_config_mapping(path: Path, modes: dict[str, str]) -> None:
+    """LeRobot serves a directory with its processor files' modes; config.json says which modes it was
+    configured with. A difference (a hand-edited file) is served as LeRobot serves it, and said."""
+    written = _config_mapping(path) or {}
+    differ = [f"{t}: processors {modes.get(t, 'IDENTITY')}, config.json {m}" for t, m in written.items()
+              if modes.get(t, "IDENTITY") != m]
+    if differ:
+        log.warning(f"{path}: config.json's normalization_mapping differs from the processor files ("
+                    + "; ".join(differ) + "): the processor files' modes are applied, as LeRobot does")

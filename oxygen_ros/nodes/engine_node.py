@@ -47,8 +47,10 @@ PARAMS = ENGINE_PARAMS + [
                             "file). Empty: deterministic random weights (demo and benchmarks only)."),
     Param("tokenizer", "", "SentencePiece model (the PaliGemma tokenizer for real checkpoints). Empty: the "
                            "small tokenizer shipped for the tiny/bench presets."),
-    Param("norm_stats", "", "openpi norm_stats.json, or a checkpoint directory holding "
-                            "assets/<asset_id>/norm_stats.json. Empty: no (un)normalisation."),
+    Param("norm_stats", "", "openpi norm_stats.json, a checkpoint directory holding "
+                            "assets/<asset_id>/norm_stats.json, or a LeRobot policy folder (its processors' "
+                            "statistics and modes). Empty: a LeRobot checkpoint folder's own, else no "
+                            "(un)normalisation."),
     Param("asset_id", "", "Which assets/<asset_id> folder to take norm stats from when there are several."),
     Param("device", "auto", "Where the model runs.", choices=("auto", "cpu", "cuda")),
     Param("attention_backend", "auto", "Attention/norm kernels: Triton on CUDA, torch on the CPU.",
@@ -299,6 +301,8 @@ class EngineNode(LifecycleNode):
             raise ParameterError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - a corrupt file, a device error: say which load failed
             raise ParameterError(f"loading {source} failed: {type(e).__name__}: {e}") from None
+        for name, preparer in engine.preparers.items():
+            self.get_logger().info(f"policy I/O{f' of {name}' if name else ''}: {preparer.io.description}")
         serves = (f", serving {len(self.fleet)} robots: "
                   + ", ".join(f"{r.name} ({r.namespace}, {r.config_file.name}, {engine.robot_info(r.name).action_dim} "
                               f"action dims)" for r in self.fleet)) if self.fleet else ""

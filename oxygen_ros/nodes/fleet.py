@@ -38,7 +38,8 @@ from oxygen_ros.robot.policy_io import RobotIOConfig
 ROBOT_KEYS = {
     "namespace": "Namespace of robot {0}'s nodes and interface (/<namespace>/oxygen/...). Empty: /{0}.",
     "robot_config": "Robot {0}'s config: a name in config/ (droid, aloha, libero, demo) or a YAML file.",
-    "norm_stats": "Robot {0}'s norm_stats.json (or a directory with assets/<asset_id>/). Empty: none.",
+    "norm_stats": "Robot {0}'s norm_stats.json (or a directory with assets/<asset_id>/, or a LeRobot policy "
+                  "folder). Empty: a LeRobot checkpoint's own, else none.",
     "asset_id": "Which assets/<asset_id> folder robot {0}'s norm stats come from when there are several.",
 }
 ROBOT_NODES = ("oxygen_observation", "oxygen_action", "oxygen_conversation", "oxygen_view")

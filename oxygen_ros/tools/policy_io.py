@@ -38,7 +38,7 @@ def run_case(case_dir: str | Path) -> dict[str, np.ndarray]:
                          f"{list(io.config.delta_action_mask)}")
     images = {k.removeprefix("image_"): v for k, v in inp.items() if k.startswith("image_")}
     model_in = io.model_inputs(images, inp["state"])
-    out = {f"image_{slot}": (img.astype(np.float32) / 255.0 * 2.0 - 1.0) for slot, img in model_in.images.items()}
+    out = {f"image_{slot}": px.permute(1, 2, 0).numpy() for slot, px in model_in.images.items()}
     out["state_normalized"] = model_in.state_normalized.astype(np.float32)
     out["robot_actions"] = io.robot_actions(inp["model_actions"], inp["state"]).astype(np.float32)
     return out
