@@ -89,11 +89,12 @@ def test_a_flood_of_long_questions_keeps_every_frame_inside_its_deadline(engine_
     advance every cycle (never starved), replies come out, nothing is dropped silently."""
     clock = SimClock()
     engine = engine_factory(clock=clock, policy="oxygen", decode_budget="deadline", action_rate_hz=25.0,
-                            kv_budget_mb=64.0, max_queued_requests=64, min_tokens_per_frame=1)
+                            kv_budget_mb=64.0, max_queued_requests=64, max_queued_per_owner=64,
+                            min_tokens_per_frame=1)
     simulate_costs(engine, clock)
     handles, reports = [], []
     for i in range(40):
-        while engine.queued_requests < 64:                                  # keep the queue full
+        for _ in range(64 - engine.queued_requests):                        # keep the queue full
             handles.append(engine.submit(TextRequest(LONG, max_tokens=32)))
         reports.append(engine.run_cycle(obs(i)))
     frames = reports[2:]                                                    # after the cost model's first measurements
@@ -152,3 +153,64 @@ def test_the_total_cap_still_bounds_conversation_requests(engine_factory):
     handles = [engine.submit(TextRequest("hello", owner=o)) for o in ["", "b"] * 12]
     refused = [h.result(0).error for h in handles if h.done()]
     assert len(refused) == 4 and all(e == "busy: 20 requests already waiting (max_queued_requests=20)" for e in refused)
+
+
+# ---------------------------------------------------------------------------------------------- capacity
+def _fleet(small_model, n, control_period_s=0.05, **cfg):
+    from oxygen_ros.engine.engine import EngineConfig
+    from oxygen_ros.engine.factory import build_engine
+    from oxygen_ros.robot.policy_io import RobotIOConfig
+
+    return build_engine(built_model=small_model, kv_budget_mb=32.0, engine=EngineConfig(**cfg),
+                        robots={f"r{i}": RobotIOConfig(control_period_s=control_period_s) for i in range(n)})
+
+
+def test_capacity_is_predicted_from_a_declared_frame_cost(small_model):
+    """5 rows at 0.05 s: a chunk period of 0.25 s (4 chunks/s needed). 20 ms per frame, 4 frames per cycle:
+    8 robots need two cycles of 80 ms per round (6.25 chunks/s each: fit); 16 robots four (3.1/s: short)."""
+    fits = _fleet(small_model, 8, frame_cost_ms=20.0, max_robots_per_cycle=4).capacity()
+    assert fits.chunks_per_s["r0"] == pytest.approx(1 / 0.16) and not fits.short
+    assert "every robot fits" in fits.summary()
+    short = _fleet(small_model, 16, frame_cost_ms=20.0, max_robots_per_cycle=4).capacity()
+    assert short.chunks_per_s["r15"] == pytest.approx(1 / 0.32) and len(short.short) == 16
+    assert "predicted short" in short.summary() and "needs 4.0" in short.summary()
+    with pytest.raises(ValueError, match="strict_capacity: capacity: 16 robots"):
+        _fleet(small_model, 16, frame_cost_ms=20.0, max_robots_per_cycle=4, strict_capacity=True).capacity()
+
+
+def test_capacity_is_measured_on_the_model_and_strict_refuses_a_robot_that_would_not_fit(small_model):
+    from oxygen_ros.engine.factory import robot_preparer
+    from oxygen_ros.robot.policy_io import RobotIOConfig
+
+    engine = _fleet(small_model, 2, strict_capacity=True, max_robots_per_cycle=1)
+    found = engine.capacity()                                  # measured: a few ms per frame here
+    assert found.cost.source == "measured" and found.cost.of(1) > 0 and not found.short
+    assert engine.runner.pool.blocks.num_used == 0             # the measurement's frames were released
+    # one robot per cycle: a robot whose chunk period is shorter than a round of 3 cycles cannot fit
+    period = 2.5 * found.cost.of(1) / 5
+    with pytest.raises(ValueError, match="strict_capacity"):
+        engine.add_robot("fast", robot_preparer(small_model.cfg, engine.tokenizer,
+                                                RobotIOConfig(control_period_s=period)))
+    assert engine.robots == ("r0", "r1")
+    engine.add_robot("slow", robot_preparer(small_model.cfg, engine.tokenizer, RobotIOConfig(control_period_s=10.0)))
+
+
+def test_achieved_chunk_rate_and_deadline_misses_are_counted_per_robot(small_model):
+    clock = SimClock()
+    engine = _fleet(small_model, 2, max_robots_per_cycle=1)
+    engine.clock = clock
+    simulate_costs(engine, clock)                            # 70 ms per cycle of one frame
+    from conftest import make_observation
+    for i in range(20):
+        engine.submit_observation(make_observation(i), robot="r0")
+        engine.submit_observation(make_observation(i, seed=1), robot="r1")
+        engine.run_frames()
+    robots = engine.stats.snapshot()["robots"]
+    # each robot gets every other cycle: one chunk per 140 ms, about 7.1/s; its deadline (0.25 s) is met
+    assert robots["r0"]["chunks_per_s"] == pytest.approx(1 / 0.14, rel=0.1) and robots["r0"]["deadline_misses"] == 0
+    slow = _fleet(small_model, 1, control_period_s=0.01)      # deadline 50 ms: every 70 ms chunk misses it
+    slow.clock = clock2 = SimClock()
+    simulate_costs(slow, clock2)
+    for i in range(5):
+        slow.run_frames({"r0": make_observation(i)})
+    assert slow.stats.snapshot()["robots"]["r0"]["deadline_misses"] == 5

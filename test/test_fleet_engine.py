@@ -234,7 +234,7 @@ def test_owner_empty_means_the_only_robot(fleet):
 
 def test_a_burst_from_one_robot_cannot_starve_another(fleet):
     engine = fleet(robots={"a": RobotIOConfig(), "b": RobotIOConfig()}, max_active_requests=4,
-                   decode_budget="fixed", tokens_per_frame=1, kv_budget_mb=16.0)
+                   decode_budget="fixed", tokens_per_frame=1, kv_budget_mb=16.0, max_queued_per_owner=30)
     burst = [engine.submit(TextRequest(f"question {i} from a", max_tokens=8, owner="a")) for i in range(30)]
     late = engine.submit(TextRequest("question from b", max_tokens=8, owner="b"))
     engine.run_frames(observations(engine.robots, 0))

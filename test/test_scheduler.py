@@ -50,7 +50,7 @@ def test_the_deadline_budget_predicts_each_step_at_its_batch_size(engine_factory
     over the cycles (133 question tokens do not fit one cycle beside the frame and a decode step)."""
     clock = SimClock()
     engine = engine_factory(clock=clock, policy="oxygen", decode_budget="deadline", action_rate_hz=25.0,
-                            min_tokens_per_frame=1, ignore_eos=True)
+                            min_tokens_per_frame=1, ignore_eos=True, max_queued_per_owner=32)
     simulate_costs(engine, clock)
     question = len(engine.question_tokens("what is on the table?"))
     handles = [engine.submit(TextRequest("what is on the table?", max_tokens=200))]

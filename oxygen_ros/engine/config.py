@@ -40,6 +40,11 @@ class EngineConfig:
     max_robots_per_cycle: int = setting(8, "Most robots' frames prefilled and denoised together in one cycle; "
                                            "more pending wait for the next cycle, earliest deadline first.",
                                         minimum=1)
+    frame_cost_ms: float = setting(0.0, "Declared cost of one robot's frame (prefill + actions) for the fleet "
+                                        "capacity check, in ms; 0: measured on the model at configure.",
+                                   minimum=0.0)
+    strict_capacity: bool = setting(False, "Refuse to start (or to add a robot) when the robots are predicted "
+                                           "not to fit their chunk periods, instead of warning.")
     max_queued_requests: int = setting(64, "Conversation requests that may wait for admission in all; more are "
                                            "refused as busy.", minimum=0)
     max_queued_per_owner: int = setting(16, "Requests of one kind that one owner (a robot or client) may have "

@@ -1,9 +1,8 @@
 """The unified-KV engine: one thread owns the device and runs the frame cycle; the frame's tasks
 (`tasks/`) read each frame's KV.
 
-Robots: one engine serves N robots, each a name with its own policy I/O (cameras, action dims, transforms,
-norm stats: a `FramePreparer` each), added at construction or at run time (`add_robot`/`remove_robot`);
-the model and the KV pool are shared. The single-robot engine is the robot "" (the default of every call).
+Robots (robots.py): each a name with its own policy I/O (a `FramePreparer`), added at construction or at
+run time; the model and the KV pool are shared. The single robot is "" (the default of every call).
 
 Frame cycle (policy `oxygen`):
   1. take each robot's newest observation (older ones of the same robot were dropped and counted; one
@@ -36,6 +35,7 @@ import torch
 
 from oxygen_ros.robot.errors import InputError
 
+from .capacity import Capacity, CapacityCheck
 from .config import POLICIES, EngineConfig
 from .cycle import CycleReport, Frame, Listeners
 from .frames import FramePreparer
@@ -64,8 +64,9 @@ class Engine:
         self.horizon = runner.cfg.action_horizon
         self.frame_period = self.horizon / self.config.action_rate_hz
         self._robots = Robots(runner, self.config, self.frame_period)
+        self._capacity = CapacityCheck(runner, self.config)
         self._robots.check_pool(len(preparers))
-        self.stats = EngineStats(self.horizon, self.frame_period, runner.pool.blocks, ())
+        self.stats = EngineStats(self.horizon, self.frame_period, runner.pool.blocks, (), clock=lambda: self.clock())
         self.scheduler = Scheduler(self.config, runner.pool.blocks, tokenizer, 0, self._robots.prefix_blocks, self.stats,
                                    lambda: self.clock(), ())
         self.prepare_ahead = self.config.prepare_ahead if self.config.prepare_ahead is not None else \
@@ -99,6 +100,7 @@ class Engine:
         requests and statistics are its own. ValueError when the name is taken or the KV pool cannot keep
         room for one more frame per cycle."""
         with self._robots.lock:
+            self._capacity.check_added({**self._robots.chunk_periods(), name: self._robots.chunk_period(preparer)})
             info = self._robots.add(name, preparer)
             self.stats.add_robot(name)
             self._intake.add_robot(name)
@@ -120,6 +122,12 @@ class Engine:
             self.stats.remove_robot(name)
         self._intake.wake()
 
+    def capacity(self) -> Capacity:
+        """Whether the robots fit their chunk periods (capacity.py). The first call measures the cycle cost on
+        the caller's thread (unless frame_cost_ms declares it): call it before `start`. With strict_capacity
+        a shortfall raises ValueError."""
+        return self._capacity.check(self._robots.chunk_periods(), may_measure=self._thread is None)
+
     @property
     def robots(self) -> tuple[str, ...]:
         return self._robots.names
@@ -129,13 +137,11 @@ class Engine:
         return self._robots.preparers
 
     @property
-    def preparer(self) -> FramePreparer:
-        """The first robot's (the robot "" when single)."""
+    def preparer(self) -> FramePreparer:            # the first robot's (the robot "" when single)
         return self.preparers[self.robots[0]]
 
     @property
-    def info(self) -> EngineInfo:
-        """The first robot's EngineInfo (the robot "" when single)."""
+    def info(self) -> EngineInfo:                   # the first robot's (the robot "" when single)
         return self._robots.infos[self.robots[0]]
 
     def robot_info(self, robot: str = "") -> EngineInfo:
@@ -146,23 +152,20 @@ class Engine:
     def submit_observation(self, obs, noise: np.ndarray | None = None, robot: str = "") -> None:
         """Hand over a robot's newest observation (oxygen_ros.robot.sync.Observation); it replaces that
         robot's unconsumed older one (counted as dropped). Never blocks. ValueError for an unknown robot."""
-        info = self.robot_info(robot)
-        self._intake.put(robot, Pending(obs, noise, self.clock() + info.chunk_period_s))
+        self._intake.put(robot, Pending(obs, noise, self.clock() + self.robot_info(robot).chunk_period_s))
 
     def latest_chunk(self, robot: str = "") -> ChunkResult | None:
         return self.actions.latest.get(self._robots.info(robot).robot)
 
     # Listeners run on the engine thread and must return at once; one that raises is logged, counted
     # (listener_errors) and stops nothing (cycle.Listeners).
-    def add_chunk_listener(self, fn: Callable[[ChunkResult], None]) -> None:
-        """fn(chunk) for every robot's every new chunk."""
+    def add_chunk_listener(self, fn: Callable[[ChunkResult], None]) -> None:     # every robot's chunks
         self._chunk_listeners.add(fn)
 
     def add_caption_listener(self, fn: Callable[[Caption], None]) -> None:
         self._caption_listeners.add(fn)
 
-    def add_frame_listener(self, fn: Callable[[int, object], None]) -> None:
-        """fn(frame_index, observation) for every observation a frame is computed from (the recorder)."""
+    def add_frame_listener(self, fn: Callable[[int, object], None]) -> None:    # (frame index, observation)
         self._frame_listeners.add(fn)
 
     def frame_noise(self, index: int) -> torch.Tensor:
@@ -198,10 +201,9 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> bool:
-        """Stop the engine thread; new requests are refused from now on and every unfinished one gets an
-        error reply. Returns False when the thread did not stop within `timeout` (a device call hangs):
-        it then answers the unfinished requests itself when it exits, and `start` refuses to run a second
-        loop beside it."""
+        """Stop the engine thread; new requests are refused and every unfinished one gets an error reply.
+        False when the thread did not stop within `timeout` (a device call hangs): it then answers the
+        unfinished requests itself when it exits, and `start` refuses to run a second loop beside it."""
         self.scheduler.close("engine stopped")
         self._stop.set()
         self._preparer_thread.stop(timeout)
@@ -263,19 +265,16 @@ class Engine:
             self.scheduler.fail_all("engine stopped")
 
     def run_cycle(self, obs=None, noise: np.ndarray | None = None, robot: str = "") -> CycleReport:
-        """One frame cycle for one robot's observation (a decode-only cycle when obs is None and nothing is
-        pending). Public so the benchmark and tests can drive the engine synchronously, without its thread."""
+        """One cycle for one robot's observation (decode-only when obs is None and nothing is pending)."""
         if obs is None:
             return self.run_frames()
         return self.run_frames({robot: obs}, None if noise is None else {robot: noise})
 
     def run_frames(self, observations: Mapping[str, object] | None = None,
                    noise: Mapping[str, np.ndarray] | None = None) -> CycleReport:
-        """One cycle over several robots' observations ({robot: obs}, optional {robot: noise}), together
-        with what is pending in the mailboxes (the engine thread passes nothing and takes those): the
-        frames of at most max_robots_per_cycle robots, earliest deadline first, are prefilled in one
-        forward and denoised together; the others stay pending for the next cycle (counted as deferred).
-        Synchronous (the benchmark and tests drive the engine with it): observations are prepared inline."""
+        """One cycle over several robots' observations ({robot: obs}, optional {robot: noise}) and what is
+        pending, synchronously (benchmark, tests; observations prepared inline): at most
+        max_robots_per_cycle frames, earliest deadline first; the others stay pending (deferred)."""
         observations, noise = dict(observations or {}), dict(noise or {})
         unknown = [r for r in list(observations) + list(noise) if r not in self._robots.infos]
         if unknown:

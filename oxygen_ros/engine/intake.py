@@ -2,7 +2,8 @@
 
 Per robot, `Intake` holds the newest raw observation (what `submit_observation` hands over) and the newest
 prepared one (model inputs made by the preparer thread). A newer item replaces an unconsumed older one of
-the same robot and is counted as dropped; robots never displace each other. A cycle takes per robot its
+the same robot and is counted as dropped, but keeps the older one's deadline (the robot has been waiting
+since then); robots never displace each other. A cycle takes per robot its
 prepared item if there is one (a raw one that arrived since stays for the next cycle), else its raw item
 (prepared inline, on the engine thread: `run_cycle`/`run_frames` driven synchronously always do that),
 for at most `limit` robots, earliest deadline first.
@@ -76,8 +77,14 @@ class Intake:
                 self._replace(self.ready, robot, item)
 
     def _replace(self, slots: dict, robot: str, item: Pending) -> None:
-        if slots[robot] is not None:
+        old = slots[robot]
+        if old is not None:
             self.dropped[robot] += 1
+        if old is not None and old.deadline < item.deadline:
+            # The robot has waited since its older observation: a newer one replaces its data, not its
+            # place in the earliest-deadline-first order (else a robot whose camera is faster than the cycle
+            # would push its own deadline back for ever and lose every tie to the others).
+            item = replace(item, deadline=old.deadline)
         slots[robot] = item
         self.cv.notify_all()
 

@@ -73,6 +73,9 @@ class Robots:
             raise ValueError(f"unknown robot {name!r}: this engine serves {list(self.names)}")
         return info
 
+    def chunk_periods(self) -> dict[str, float]:
+        return {n: i.chunk_period_s for n, i in self.infos.items()}
+
     def reserve_blocks(self) -> int:
         """KV blocks admission keeps free for the next cycle's prefills: up to max_robots_per_cycle frames."""
         return min(len(self.names), self.config.max_robots_per_cycle) * self.prefix_blocks

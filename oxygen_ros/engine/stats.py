@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 
 import numpy as np
 
@@ -12,7 +13,10 @@ from . import requests
 
 
 class EngineStats:
-    def __init__(self, horizon: int, frame_period: float, blocks, robots: tuple[str, ...] = ("",), window: int = 200):
+    RATE_WINDOW_S = 10.0       # achieved chunk rate per robot: chunks delivered in the last this many seconds
+
+    def __init__(self, horizon: int, frame_period: float, blocks, robots: tuple[str, ...] = ("",), window: int = 200,
+                 clock=time.monotonic):
         self.horizon, self.frame_period, self.blocks = horizon, frame_period, blocks
         self._cycles = collections.deque(maxlen=window)
         self._counters: collections.Counter = collections.Counter()
@@ -24,6 +28,9 @@ class EngineStats:
         self.graphs = None          # the runner's StepGraphs, when fixed-shape steps are on (its counters)
         self._robots = {r: collections.Counter() for r in robots}
         self._chunk_s = {r: collections.deque(maxlen=window) for r in robots}
+        self._delivered = {r: collections.deque() for r in robots}     # delivery times in the rate window
+        self.clock = clock
+        self._first_delivery: float | None = None
         self._dropped = dict.fromkeys(robots, 0)
         self._dropped_by_removed = 0
 
@@ -35,6 +42,7 @@ class EngineStats:
         with self._lock:
             self._robots[robot] = collections.Counter()
             self._chunk_s[robot] = collections.deque(maxlen=self._cycles.maxlen)
+            self._delivered[robot] = collections.deque()
             self._dropped[robot] = 0
 
     def remove_robot(self, robot: str) -> None:
@@ -42,6 +50,7 @@ class EngineStats:
             self._dropped_by_removed += self._dropped.pop(robot, 0)    # the total keeps what it counted
             self._robots.pop(robot, None)
             self._chunk_s.pop(robot, None)
+            self._delivered.pop(robot, None)
 
     def count_robot(self, robot: str, name: str, n: int = 1) -> None:
         with self._lock:
@@ -57,6 +66,10 @@ class EngineStats:
             counter["chunks"] += 1
             counter["deadline_misses"] += int(missed)
             self._chunk_s[robot].append(latency_s)
+            now = self.clock()
+            self._delivered[robot].append(now)
+            if self._first_delivery is None:
+                self._first_delivery = now
 
     def note_error(self, message: str) -> None:
         self.last_error = message
@@ -78,6 +91,13 @@ class EngineStats:
             self._counters["deadline_misses"] += int(report.deadline_missed)
             self.dropped_frames, self.active, self.queued = dropped_frames, active, queued
 
+    def _rate(self, times: collections.deque, now: float) -> float:
+        """Chunks per second over the last RATE_WINDOW_S (or since the first chunk, if more recent)."""
+        while times and times[0] < now - self.RATE_WINDOW_S:
+            times.popleft()
+        span = min(self.RATE_WINDOW_S, now - self._first_delivery) if self._first_delivery is not None else 0.0
+        return len(times) / span if span > 0 else 0.0
+
     def counter(self, name: str) -> int:
         with self._lock:
             return self._counters[name]
@@ -88,6 +108,8 @@ class EngineStats:
             cycles = list(self._cycles)
             counters = dict(self._counters)
             robots = {r: dict(c) for r, c in self._robots.items()}
+            now = self.clock()
+            rates = {r: self._rate(times, now) for r, times in self._delivered.items()}
             chunk_s = {r: np.array(d) for r, d in self._chunk_s.items()}
             dropped = dict(self._dropped)
         frames = [c for c in cycles if c.chunks]
@@ -126,7 +148,7 @@ class EngineStats:
             "graph_fallbacks": self.graphs.fallbacks if self.graphs else 0,
             "last_error": self.last_error,
             "robots": {r: {"frames": c.get("frames", 0), "chunks": c.get("chunks", 0),
-                           "deadline_misses": c.get("deadline_misses", 0),
+                           "deadline_misses": c.get("deadline_misses", 0), "chunks_per_s": rates[r],
                            "chunk_ms_mean": ms(chunk_s[r]), "chunk_ms_p99": ms(chunk_s[r], 99),
                            "dropped_observations": dropped[r], "deferred": c.get("deferred", 0),
                            "bad_observations": c.get("bad_observations", 0), "faults": c.get("faults", 0)}
