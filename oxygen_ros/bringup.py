@@ -133,6 +133,13 @@ class Executors:
                 if self._stopping.is_set() or not executor.context.ok():
                     return
                 time.sleep(0.05)                 # no node to wait on yet (or any more): wait for one
+            except Exception:  # noqa: BLE001 - a callback's exception must not end the thread (and its traffic)
+                if self._stopping.is_set() or not executor.context.ok():
+                    return
+                import traceback
+
+                print(f"oxygen_bringup: a callback on {threading.current_thread().name} raised (the executor "
+                      f"keeps spinning):\n{traceback.format_exc()}", file=sys.stderr, flush=True)
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -194,9 +201,10 @@ class RobotNodes:
         self.conversation.active = self.action.active = True
         self.action.set_enabled(self.action.p["start_enabled"])
 
-    def deactivate(self) -> None:
+    def deactivate(self, reason: str) -> None:
         # Inactive first, so that no oxygen/enable call can turn output back on after the final stop.
-        self.action.active = self.conversation.active = False
+        self.action.active = False
+        self.conversation.refusal = reason
         self.action.set_enabled(False)
 
 
@@ -269,11 +277,16 @@ class ProcessNodes:
         for robot in self.robots:
             robot.activate()
 
-    def deactivate(self) -> None:
+    def deactivate(self, reason: str) -> None:
         for robot in self.robots:
-            robot.deactivate()
+            robot.deactivate(reason)
 
-    def destroy(self) -> None:
+    def destroy(self, reason: str = "") -> None:
+        """Every pending question answered (refused with `reason`) while the executors still spin, then the
+        nodes leave their executors and are destroyed."""
+        for robot in getattr(self, "robots", []):
+            if robot.conversation is not None and getattr(self, "_placed", None):
+                robot.conversation.close(reason or "engine stopped")
         for closing in (self.console, self.recorder):
             if closing is not None:
                 closing.close()

@@ -4,6 +4,7 @@ configure (corrupt checkpoint) leaves it unconfigured with the reason; configure
 no actions, requests refused); activate -> actions, replies and the debug image; deactivate -> actions stop at once;
 cleanup -> unconfigured (nothing published); configure again; shutdown from active -> finalized, actions
 stop; the process then exits cleanly."""
+import signal
 import time
 
 import pytest
@@ -16,7 +17,7 @@ from sensor_msgs.msg import Image
 from std_msgs.msg import Float64MultiArray
 
 from oxygen_interfaces.srv import Converse
-from ros_harness import private_domain, running_bringup, wait_until
+from ros_harness import Bringup, RosClient, private_domain, running_bringup, wait_until
 
 
 def call(client, srv_type, name, request, timeout=120.0):
@@ -134,3 +135,112 @@ def test_transitions_through_the_lifecycle_services(managed, tmp_path):
     assert state(client) == State.PRIMARY_STATE_FINALIZED
     time.sleep(1.0)
     assert not [t for t, _ in list(actions) if t > stopped + 0.3], "actions published after shutdown"
+
+
+# ------------------------------------------------------------------ requests in flight (issue #21, item 1)
+# No camera (`--robot demo` without the simulated robot): every question waits in the engine's queue for a
+# frame that never comes, so each transition meets 30 pending calls and 4 executing streaming goals.
+CALLS, GOALS = 30, 4
+
+
+class InFlight:
+    """CALLS service calls and GOALS streaming goals (their results asked for at once), all pending."""
+
+    def __init__(self, client):
+        from rclpy.action import ActionClient
+        from rclpy.qos import QoSProfile
+
+        from oxygen_interfaces.action import Converse as ConverseAction
+
+        node = client.node
+        # Deep client queues: a burst of responses must not be dropped by the client's own reader.
+        self.service = node.create_client(Converse, "/oxygen/converse", qos_profile=QoSProfile(depth=1000))
+        self.stream = ActionClient(node, ConverseAction, "/oxygen/converse_stream",
+                                   goal_service_qos_profile=QoSProfile(depth=100),
+                                   result_service_qos_profile=QoSProfile(depth=100))
+        assert self.service.wait_for_service(timeout_sec=30) and self.stream.wait_for_server(timeout_sec=30)
+        self.calls = [self.service.call_async(Converse.Request(text=f"question {i}?", max_tokens=4,
+                                                               timeout_s=60.0)) for i in range(CALLS)]
+        self.goals = [self.stream.send_goal_async(ConverseAction.Goal(text=f"streamed {i}?", max_tokens=4,
+                                                                      timeout_s=60.0)) for i in range(GOALS)]
+        assert wait_until(lambda: all(g.done() for g in self.goals), 30), "goals not accepted"
+        assert all(g.result().accepted for g in self.goals)
+        self.results = [g.result().get_result_async() for g in self.goals]
+        self.client, self.node = client, node
+
+    def answered(self) -> tuple[int, int]:
+        return sum(f.done() for f in self.calls), sum(f.done() for f in self.results)
+
+    def wait_answered(self, reason: str, timeout: float = 20.0) -> None:
+        """Every call and goal answered, refused with `reason` (no reply can exist without a frame)."""
+        wait_until(lambda: self.answered() == (CALLS, GOALS), timeout)
+        assert self.answered() == (CALLS, GOALS), f"answered (calls, goals): {self.answered()} of {(CALLS, GOALS)}"
+        for r in [f.result() for f in self.calls] + [f.result().result for f in self.results]:
+            assert not r.success and reason in r.error, r
+
+    def close(self) -> None:
+        self.node.destroy_client(self.service)
+        self.stream.destroy()
+
+
+def queued(bringup_client, count: int) -> bool:
+    """The conversation service has received `count` requests (its diagnostics say so)."""
+    diagnostics = bringup_client.collect(DiagnosticArray, "/diagnostics")
+
+    def received():
+        for _, msg in reversed(list(diagnostics)):
+            for st in msg.status:
+                if st.name == "oxygen_ros: conversation":
+                    return int({kv.key: kv.value for kv in st.values}["requests"])
+        return 0
+    return wait_until(lambda: received() >= count, 30)
+
+
+@pytest.fixture(scope="module")
+def cameraless():
+    domain = private_domain(24)
+    with running_bringup(["--robot", "demo", "--managed", "--status-period", "0"], domain,
+                         "lifecycle_inflight_test") as running:
+        yield running
+
+
+def test_every_pending_request_is_answered_by_deactivate_cleanup_and_shutdown(cameraless):
+    bringup, client = cameraless
+    for cycle in range(3):     # cleanup -> configure -> activate works every time
+        assert transition(client, Transition.TRANSITION_CONFIGURE), f"cycle {cycle}:\n" + bringup.output()[-3000:]
+        assert transition(client, Transition.TRANSITION_ACTIVATE)
+        assert state(client) == State.PRIMARY_STATE_ACTIVE
+        pending = InFlight(client)
+        assert queued(client, CALLS + GOALS)
+        assert pending.answered() == (0, 0)
+        assert transition(client, Transition.TRANSITION_DEACTIVATE)
+        assert transition(client, Transition.TRANSITION_CLEANUP)
+        pending.wait_answered("oxygen_engine deactivated")
+        pending.close()
+        assert state(client) == State.PRIMARY_STATE_UNCONFIGURED
+    # Shutdown from active answers them too, and the process then exits cleanly (running_bringup: code 0).
+    assert transition(client, Transition.TRANSITION_CONFIGURE)
+    assert transition(client, Transition.TRANSITION_ACTIVATE)
+    pending = InFlight(client)
+    assert queued(client, CALLS + GOALS)
+    assert transition(client, Transition.TRANSITION_ACTIVE_SHUTDOWN)
+    pending.wait_answered("oxygen_engine shutdown")
+    assert state(client) == State.PRIMARY_STATE_FINALIZED
+    assert "Traceback" not in bringup.output() and "InvalidHandle" not in bringup.output(), bringup.output()
+
+
+def test_sigint_answers_every_pending_request():
+    domain = private_domain(25)
+    bringup = Bringup(["--robot", "demo", "--status-period", "0"], domain)
+    client = RosClient(domain, "lifecycle_sigint_test")
+    try:
+        assert bringup.wait_for_line("oxygen_bringup: running", 90), bringup.output()
+        pending = InFlight(client)
+        assert queued(client, CALLS + GOALS)
+        bringup.proc.send_signal(signal.SIGINT)
+        pending.wait_answered("oxygen_engine shutdown")
+        assert bringup.proc.wait(30) == 0, bringup.output()
+    finally:
+        client.close()
+        bringup.stop()
+    assert "Traceback" not in bringup.output(), bringup.output()

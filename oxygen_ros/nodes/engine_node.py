@@ -93,9 +93,15 @@ class AttachedNodes(Protocol):
     """What the bringup builds around a configured engine (observation, actions, conversation...)."""
 
     def activate(self) -> None: ...
-    def deactivate(self) -> None: ...        # action output off at once, requests refused
-    def destroy(self) -> None: ...
+    def deactivate(self, reason: str) -> None: ...   # action output off at once, new requests refused (reason)
+    def destroy(self, reason: str) -> None: ...      # every pending request answered (reason), then destroyed
     def diagnostics(self) -> list[DiagnosticStatus]: ...
+
+
+# Why requests are refused (and why pending ones ended) after each transition: the client reads this.
+DEACTIVATED = "engine inactive (oxygen_engine deactivated): activate it first"
+CLEANED_UP = "engine unconfigured (oxygen_engine cleaned up): configure and activate it first"
+SHUTTING_DOWN = "engine shutting down (oxygen_engine shutdown)"
 
 
 class EngineNode(LifecycleNode):
@@ -148,39 +154,42 @@ class EngineNode(LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._stop()
+        self._stop(DEACTIVATED)
         self.get_logger().info("inactive: actions off, requests refused, model kept loaded")
         return TransitionCallbackReturn.SUCCESS
 
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._release()
+        self._release(CLEANED_UP)
         self.get_logger().info("unconfigured: model released")
         return TransitionCallbackReturn.SUCCESS
 
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._stop()
-        self._release()
+        self._stop(SHUTTING_DOWN)
+        self._release(SHUTTING_DOWN)
         return TransitionCallbackReturn.SUCCESS
 
     def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._stop()
-        self._release()
+        self._stop(CLEANED_UP)
+        self._release(CLEANED_UP)
         return TransitionCallbackReturn.SUCCESS     # back to unconfigured
 
-    def _stop(self) -> None:
-        """Actions first (no command after this returns), then requests, then the engine thread."""
+    def _stop(self, reason: str) -> None:
+        """Actions first (no command after this returns), then requests (refused from now on with `reason`;
+        the engine fails the unfinished ones), then the engine thread."""
         if self.attached is not None:
-            self.attached.deactivate()
+            self.attached.deactivate(reason)
         if self.engine is not None:
             self.engine.stop()
 
-    def _release(self) -> None:
-        if self.attached is not None:
-            self.attached.destroy()
-            self.attached = None
+    def _release(self, reason: str = CLEANED_UP) -> None:
+        """The engine stops first, so every request it holds has its reply; the nodes around it then send
+        every pending answer before they are destroyed."""
         if self.engine is not None:
             self.engine.stop()
-            self.engine = None
+        if self.attached is not None:
+            self.attached.destroy(reason)
+            self.attached = None
+        self.engine = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
