@@ -142,11 +142,14 @@ class Executors:
                       f"keeps spinning):\n{traceback.format_exc()}", file=sys.stderr, flush=True)
 
     def shutdown(self) -> None:
+        """The spinning threads leave first (each wait lasts at most 0.2 s), then the executors shut down:
+        an executor shut down under a thread still in spin_once made the handler it was building call
+        `trigger()` on the executor's destroyed guard condition (None: a traceback at Ctrl-C)."""
         self._stopping.set()
-        for executor, _ in self._named:
-            executor.shutdown(timeout_sec=2.0)
         for t in self._threads:
             t.join(timeout=2.0)
+        for executor, _ in self._named:
+            executor.shutdown(timeout_sec=2.0)
 
 
 class RobotNodes:
@@ -355,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     rcl_args = ["oxygen_bringup", "--ros-args"] + [a for f in files for a in ("--params-file", f)]
     rcl_args += [a for a in ros_args if a != "--ros-args"]
     sys.setswitchinterval(0.001)
+    # SIGINT/SIGTERM from here on: the orderly stop below (the first one; more are ignored). Installed before
+    # the model loads, so that a signal during the load stops the process once the load is over instead of
+    # raising KeyboardInterrupt through the lifecycle transition.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     rclpy.init(args=rcl_args, signal_handler_options=SignalHandlerOptions.NO)
     executors = Executors(args.threads)
     engine_node = EngineNode(attach=lambda engine: ProcessNodes(engine, executors, engine_node, args.record,
@@ -371,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("oxygen_bringup: refusing to start, bad parameters:\n  " + "\n  ".join(problems),
                       file=sys.stderr)
                 return 2
-            engine_node.trigger_activate()
+            if not stop.is_set():          # Ctrl-C during the load: no activation, straight to the shutdown
+                engine_node.trigger_activate()
         if args.demo:
             from .nodes.demo_client import DemoClient
             from .nodes.sim_robot import SimRobotNode
@@ -385,16 +395,13 @@ def main(argv: list[str] | None = None) -> int:
             for node in (sim, DemoClient(questions=question)):
                 nodes.append(node)
                 executors.other.add_node(node)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
         executors.start()
         how = ("managed: waiting for lifecycle transitions on /oxygen_engine/change_state" if args.managed
                else "Ctrl-C stops")
         print(f"oxygen_bringup: running ({', '.join(n.get_name() for n in nodes)}); {how}", flush=True)
         start = time.monotonic()
         next_status = start + args.status_period
-        while not stop.wait(0.1):
+        while not stop.is_set() and not stop.wait(0.1):
             now = time.monotonic()
             if args.duration and now - start >= args.duration:
                 break
@@ -419,6 +426,11 @@ def main(argv: list[str] | None = None) -> int:
             node.destroy_node()
         if rclpy.ok():
             rclpy.shutdown()
+        # Python puts back the default handlers of the signals it handled while it finalises (torch, DDS and
+        # MuJoCo teardown: 0.7-2.6 s measured): a further Ctrl-C there killed the stopped process (exit
+        # -2, 130 in a shell). Everything is stopped by now: ignore them.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -244,3 +244,24 @@ def test_sigint_answers_every_pending_request():
         client.close()
         bringup.stop()
     assert "Traceback" not in bringup.output(), bringup.output()
+
+
+def test_repeated_sigint_exits_0_without_a_traceback():
+    """Ctrl-C hammered (or `ros2 launch` stopping): SIGINT every 0.1 s for 3 s. The first one stops the
+    process in order; the others must neither kill it (Python restores the default SIGINT handler while it
+    finalises: a late SIGINT ended the process with -2, i.e. 130 in a shell) nor print a traceback."""
+    domain = private_domain(26)
+    bringup = Bringup(["--demo", "--status-period", "0"], domain)
+    try:
+        assert bringup.wait_for_line("oxygen_bringup: running", 90), bringup.output()
+        time.sleep(1.0)
+        for _ in range(30):
+            if bringup.proc.poll() is not None:
+                break
+            bringup.proc.send_signal(signal.SIGINT)
+            time.sleep(0.1)
+        assert bringup.proc.wait(30) == 0, bringup.output()[-3000:]
+    finally:
+        bringup.stop()
+    assert "oxygen_bringup: stopped" in bringup.output()
+    assert "Traceback" not in bringup.output(), bringup.output()
