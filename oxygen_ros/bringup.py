@@ -261,7 +261,7 @@ class ProcessNodes:
                 parameter_overrides=[Parameter("path", value=record)] if record else []))
             self.console = build(lambda: ConsoleNode(
                 engine, single.action, single.conversation, single.observation, single.view,
-                lambda: engine_node.state_label,
+                lambda: engine_node.state_label, safe_stop_service=engine_node.clear_safe_stop_service,
                 parameter_overrides=[Parameter("port", value=console_port)] if console_port else []))
         if problems:
             self.destroy()
@@ -279,6 +279,10 @@ class ProcessNodes:
     def activate(self) -> None:
         for robot in self.robots:
             robot.activate()
+
+    def disable_output(self) -> None:
+        for robot in self.robots:
+            robot.action.set_enabled(False)
 
     def deactivate(self, reason: str) -> None:
         for robot in self.robots:

@@ -25,6 +25,7 @@ import torch
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import ParameterDescriptor, SetParametersResult
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from std_srvs.srv import Trigger
 
 from oxygen_ros.engine.config import EngineConfig, node_settings
 from oxygen_ros.engine.engine import Engine
@@ -93,6 +94,7 @@ class AttachedNodes(Protocol):
     """What the bringup builds around a configured engine (observation, actions, conversation...)."""
 
     def activate(self) -> None: ...
+    def disable_output(self) -> None: ...             # action output off (an operator enables it again)
     def deactivate(self, reason: str) -> None: ...   # action output off at once, new requests refused (reason)
     def destroy(self, reason: str) -> None: ...      # every pending request answered (reason), then destroyed
     def diagnostics(self) -> list[DiagnosticStatus]: ...
@@ -122,6 +124,27 @@ class EngineNode(LifecycleNode):
         self.failure = ""                          # why the last configure failed (empty: it did not)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self.create_timer(1.0, self._publish_diagnostics)
+        # The safe stop (max_consecutive_faults faulty frames in a row) is a latch with a reason: cleared by
+        # this deliberate call, not in passing by switching output on.
+        self.create_service(Trigger, "~/clear_safe_stop", self._on_clear_safe_stop)
+        self.clear_safe_stop_service = self.resolve_service_name("~/clear_safe_stop")
+
+    def _on_clear_safe_stop(self, request, response):
+        """Leave the engine's safe stop. Action output is switched off at the same time: the robot moves
+        again only when an operator enables it (/oxygen/enable), having seen why it stopped."""
+        engine = self.engine
+        if engine is None or not engine.faulted:
+            response.success = False
+            response.message = "no safe stop to clear" if engine is not None else "oxygen_engine is not configured"
+            return response
+        reason = engine.faulted
+        if self.attached is not None:
+            self.attached.disable_output()
+        engine.reset_fault()
+        response.success = True
+        response.message = f"safe stop cleared (it was: {reason}); action output is off: enable it to move again"
+        self.get_logger().warning(response.message)
+        return response
 
     def _on_set_parameters(self, params) -> SetParametersResult:
         if self.engine is None:
