@@ -221,6 +221,7 @@ class ProcessNodes:
         from rclpy.parameter import Parameter
 
         from .console.console_node import ConsoleNode
+        from .nodes.fleet import shared_outputs
         from .nodes.params import ParameterError
         from .record.recorder import Recorder, raw_topics
 
@@ -247,7 +248,7 @@ class ProcessNodes:
                          for flag, given in (("record", record), ("console", console_port)) if given]
             self.robots = [RobotNodes(engine, build, r.name, r.namespace, lambda node, r=r: r.parameters(node, files))
                            for r in fleet]
-            problems += _shared_inputs(self.robots)
+            problems += _shared_inputs(self.robots) + shared_outputs(fleet, files, _node_defaults())
         single = self.robots[0]
         self.recorder = self.console = None
         if not problems:
@@ -318,6 +319,17 @@ class ProcessNodes:
                 statuses.append(status(f"oxygen_ros: {node.get_fully_qualified_name()}", DiagnosticStatus.ERROR,
                                        f"diagnostics failed: {type(e).__name__}: {e}", {}))
         return statuses
+
+
+def _node_defaults() -> dict[str, dict]:
+    """The defaults a robot's nodes declare (fleet.shared_outputs resolves their output names)."""
+    from .nodes.action_publisher import PARAMS as ACTION
+    from .nodes.conversation_service import PARAMS as CONVERSATION
+    from .view.view_node import PARAMS as VIEW
+
+    return {node: {p.name: p.default for p in params}
+            for node, params in (("oxygen_action", ACTION), ("oxygen_conversation", CONVERSATION),
+                                 ("oxygen_view", VIEW))}
 
 
 def _shared_inputs(robots: list[RobotNodes]) -> list[str]:
