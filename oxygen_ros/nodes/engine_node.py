@@ -61,12 +61,13 @@ PARAMS = ENGINE_PARAMS + [
                                    "cycle instead of on the engine thread (auto: on when the model runs on CUDA; "
                                    "on a CPU-only host the conversion competes with the model for the cores).",
           choices=("auto", "on", "off")),
-    Param("kv_budget_mb", 256.0, "Memory of the paged KV pool (MiB).", minimum=1.0),
+    Param("kv_budget_mb", 256.0, "Memory of the paged KV pool (MiB); at most what the device has free at "
+                                 "configure.", minimum=1.0),
     Param("block_size", 16, "Tokens per KV block.", minimum=1, maximum=1024),
     Param("action_horizon", 0, "Actions per chunk (0: the model's). Must match what the checkpoint was "
-                               "trained with.", minimum=0),
-    Param("denoise_steps", 0, "Flow-matching steps per chunk (0: the model's).", minimum=0),
-    Param("max_token_len", 0, "Longest prompt in tokens (0: the model's).", minimum=0),
+                               "trained with.", minimum=0, maximum=1000),
+    Param("denoise_steps", 0, "Flow-matching steps per chunk (0: the model's).", minimum=0, maximum=1000),
+    Param("max_token_len", 0, "Longest prompt in tokens (0: the model's).", minimum=0, maximum=8192),
     Param("prefix_language_attention", "", "Prefix mask: bidirectional (upstream openpi, the official "
                                            "checkpoints) or causal (OxyGen code). Empty: the model's.",
           choices=("",) + PREFIX_MODES),
@@ -82,7 +83,7 @@ PARAMS = ENGINE_PARAMS + [
     Param("rotate_180", [], "Camera slots turned 180° before resizing (e.g. LIBERO from a raw robosuite render)."),
     Param("control_period_s", 0.0, "Seconds between chunk rows: the rate the checkpoint was trained at "
                                    "(DROID 1/15, ALOHA 1/50). 0: one row per publish tick.", minimum=0.0),
-    Param("torch_threads", 0, "CPU threads for torch (0: torch's default).", minimum=0),
+    Param("torch_threads", 0, "CPU threads for torch (0: torch's default).", minimum=0, maximum=1024),
     Param("robots", [], "A fleet: the robots this engine serves (names), each configured by <name>.namespace "
                         "(default /<name>), <name>.robot_config, <name>.norm_stats, <name>.asset_id (see "
                         "docs/fleet.md). Empty: one robot, no namespace (/oxygen/...), configured by the "
@@ -266,6 +267,10 @@ class EngineNode(LifecycleNode):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         elif device == "cuda" and not torch.cuda.is_available():
             problems.append("device is cuda but torch sees no CUDA device")
+        free = free_memory(device) if device == "cpu" or torch.cuda.is_available() else None
+        if free is not None and p["kv_budget_mb"] * (1 << 20) > free:
+            problems.append(f"kv_budget_mb = {p['kv_budget_mb']:g}: more than the {device} memory free now "
+                            f"({human_bytes(free)}): the KV pool cannot be allocated")
         if p["torch_threads"]:
             torch.set_num_threads(p["torch_threads"])
         overrides = dict(action_horizon=p["action_horizon"] or None, num_denoise_steps=p["denoise_steps"] or None,
@@ -388,6 +393,20 @@ class EngineNode(LifecycleNode):
         elif s["chunks"] == 0:
             level, message = DiagnosticStatus.WARN, "no chunk for this robot yet"
         return status(status_name("engine", robot), level, message, dict(s, chunk_period_s=self.engine.robot_info(robot).chunk_period_s))
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes free for a new allocation on `device` now (CPU: the kernel's MemAvailable), None if unknown."""
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def status_name(what: str, robot: str = "") -> str:

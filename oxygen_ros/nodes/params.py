@@ -56,13 +56,13 @@ def read_all(node, specs: list[Param]) -> tuple[dict[str, Any], list[str]]:
             if kind is float:
                 value = [float(v) for v in value]
         values[p.name] = value
-        problem = _problem(p, value)
-        if problem:
-            problems.append(f"{node.get_name()}.{p.name} = {value!r}: {problem}")
+        wrong = problem(p, value)
+        if wrong:
+            problems.append(f"{node.get_name()}.{p.name} = {value!r}: {wrong}")
     return values, problems
 
 
-def _problem(p: Param, value: Any) -> str | None:
+def problem(p: Param, value: Any) -> str | None:
     """What is wrong with `value` for `p`, or None. NaN compares false with everything, so it is refused
     before any range check (`hold_timeout_s: .nan` would otherwise mean 'hold forever')."""
     if isinstance(value, float) and not math.isfinite(value):
