@@ -32,33 +32,47 @@ RECORDED = ["/diagnostics", "/oxygen/action", "/oxygen/action_chunk", "/oxygen/c
 
 @pytest.fixture(scope="module")
 def recording(tmp_path_factory):
+    """A demo run recorded into 0.3 MB files (3 kept) while this process asks a question a second (every
+    other one streamed). It runs until the recording has rotated (its first file deleted) and, after that,
+    3 calls and 3 streams were answered and 6 s passed (the simulated robot repeats its task every 5 s):
+    event-driven, so a loaded machine makes it longer, not different (bound: 150 s)."""
     out = tmp_path_factory.mktemp("bag")
     params = tmp_path_factory.mktemp("params") / "fast.yaml"
     params.write_text("oxygen_engine:\n  ros__parameters:\n    memory_period_s: 1.0\n"
                       "oxygen_recorder:\n  ros__parameters:\n    max_file_mb: 0.3\n    max_files: 3\n")
     domain = private_domain(31)
     bringup = Bringup(["--demo", "--record", str(out), "--params-file", str(params), "--status-period", "0"],
-                      domain, timeout_s=16)
+                      domain, timeout_s=200)
     client = RosClient(domain, "record_test")
+    answered = collections.Counter()          # (kind, after the rotation) -> replies
     try:
         assert bringup.wait_for_line("oxygen_bringup: running", 90), bringup.output()
         cli = client.node.create_client(Converse, "/oxygen/converse", qos_profile=QoSProfile(depth=100))
         assert cli.wait_for_service(timeout_sec=30)
         stream = ActionClient(client.node, ConverseAction, "/oxygen/converse_stream")
         assert stream.wait_for_server(timeout_sec=30)
-        asked = 0
-        while bringup.proc.poll() is None:       # a question a second until the recording run ends
+        rotated_at = None
+        deadline = time.monotonic() + 150
+        for asked in range(10_000):
+            if rotated_at is None and any(out.glob("*.mcap")) and not any(out.glob("*_0.mcap")):
+                rotated_at = time.monotonic()
+            after = rotated_at is not None
+            if after and answered["call", True] >= 3 and answered["stream", True] >= 3 \
+                    and time.monotonic() - rotated_at > 6.0:
+                break
+            assert time.monotonic() < deadline and bringup.proc.poll() is None, (answered, bringup.output()[-3000:])
             if asked % 2:                         # every other one as a streaming goal (and its result asked for)
                 goal = stream.send_goal_async(ConverseAction.Goal(text=f"streamed question {asked}?", max_tokens=8))
-                goal.add_done_callback(lambda f: f.result().accepted and f.result().get_result_async())
+                goal.add_done_callback(lambda f, a=after: f.result().accepted and f.result().get_result_async()
+                                       .add_done_callback(lambda _: answered.update([("stream", a)])))
             else:
-                cli.call_async(Converse.Request(text=f"question {asked}?", max_tokens=8))
-            asked += 1
+                cli.call_async(Converse.Request(text=f"question {asked}?", max_tokens=8)).add_done_callback(
+                    lambda _, a=after: answered.update([("call", a)]))
             time.sleep(1.0)
     finally:
         client.close()
-    assert bringup.proc.wait(90) == 0, bringup.output()
-    bringup.stop()
+        code = bringup.stop()
+    assert code == 0, bringup.output()
     assert "recording closed" in bringup.output(), bringup.output()
     return out
 
