@@ -399,16 +399,12 @@ def main(argv: list[str] | None = None) -> int:
             if not stop.is_set():          # Ctrl-C during the load: no activation, straight to the shutdown
                 engine_node.trigger_activate()
         if args.demo:
-            from .nodes.demo_client import DemoClient
+            from .nodes.demo_client import DemoClient, SceneQuestions
             from .nodes.sim_robot import SimRobotNode
 
             sim = SimRobotNode()
-
-            def question():
-                q = sim.world.next_question()
-                return q.text, q.answer
-
-            for node in (sim, DemoClient(questions=question)):
+            questions = SceneQuestions(lambda: (sim.world.layout, sim.world.scene.tip()), sim.scene_shown)
+            for node in (sim, DemoClient(questions=questions)):
                 nodes.append(node)
                 executors.other.add_node(node)
         executors.start()

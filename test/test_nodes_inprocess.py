@@ -535,3 +535,41 @@ def test_a_task_prompt_is_logged_once_per_change(observation):
         node._on_prompt(String(data=text))
     assert lines == ["task prompt: 'touch the blue cube'", "task prompt: 'touch the red cube'"], lines
     assert node.prompt == "touch the red cube"
+
+
+# ------------------------------------------------------------------------------------------ demo client
+def test_the_demo_client_judges_a_reply_against_the_frame_it_names(ros):
+    """Asked in an episode with two cubes, answered from a frame of the next episode (three cubes): the
+    truth is that frame's, and a question naming a cube that frame lacks is not judged (issue #21)."""
+    from builtin_interfaces.msg import Time
+
+    from oxygen_ros.nodes.demo_client import DemoClient, SceneQuestions
+    from oxygen_ros.sim.scene import COLOUR_NAMES, Layout
+
+    rng = np.random.default_rng(5)
+    two, three = Layout.random(rng, n_cubes=2), Layout.random(rng, n_cubes=3)
+    tip = np.array([0.3, 0.0, 0.2])
+    shown = {1_000_000_000: (two, tip), 2_000_000_000: (three, tip)}
+    questions = SceneQuestions(lambda: (two, tip), shown.get)
+    lines = []
+    client = ros.add(DemoClient(printer=lines.append, context=ros.context))
+
+    def reply(text: str, stamp_s: int):
+        return SimpleNamespace(success=True, reply=text, frame_stamp=Time(sec=stamp_s), frame_index=stamp_s,
+                               tokens=1, latency_s=0.01)
+
+    text, judge = questions()
+    assert text == "How many cubes are there?"
+    assert judge(1_000_000_000) == "two" and judge(2_000_000_000) == "three" and judge(5) is None
+    client._on_reply(text, judge, reply("three", 2))         # the next episode's frame: right
+    assert lines[-1].startswith("[converse] 'How many cubes are there?' -> 'three' [right; 1/1 right]"), lines
+    client._on_reply(text, judge, reply("two", 2))
+    assert "[wrong, truth: 'three'; 1/2 right]" in lines[-1]
+    client._on_reply(text, judge, reply("two", 9))            # a frame whose scene is unknown
+    assert "[not judged" in lines[-1] and client.checked == 2 and client.unjudged == 1
+    for _ in range(6):                                        # the other kinds, in turn
+        text, judge = questions()
+        assert judge(1_000_000_000) is not None, text         # on the scene it was asked about: always known
+        named = [c for c in COLOUR_NAMES if f"the {c} cube" in text]
+        if any(c not in three.colours for c in named):
+            assert judge(2_000_000_000) is None, text         # names a cube the other frame's scene lacks
