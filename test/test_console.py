@@ -28,7 +28,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from std_msgs.msg import Float64MultiArray, String
 
-from ros_harness import private_domain, running_bringup, wait_until
+from ros_harness import output_stops, private_domain, running_bringup, wait_until
 
 CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -109,18 +109,6 @@ def text(driver, element_id: str) -> str:
     return driver.find_element(By.ID, element_id).text
 
 
-def commands_stop(actions: list, quiet_s: float = 1.0, timeout: float = 20.0) -> bool:
-    """No command for `quiet_s` (within `timeout`), then none for another 1.5 s: output has stopped. (A
-    command already in flight when output was disabled may land late on a loaded machine.)"""
-    def quiet():
-        return not actions or time.monotonic() - actions[-1][0] > quiet_s
-    if not wait_until(quiet, timeout):
-        return False
-    count = len(actions)
-    time.sleep(1.5)
-    return len(actions) == count
-
-
 def test_status_pictures_chat_and_enable(console):
     driver, client, bringup = console.driver, console.client, console.bringup
     wait = WebDriverWait(driver, 60, poll_frequency=0.2)
@@ -156,7 +144,7 @@ def test_status_pictures_chat_and_enable(console):
     switch.click()
     wait.until(lambda d: text(d, "enable-message") == "action output disabled")
     wait.until(lambda d: text(d, "action-state") == "disabled")
-    assert commands_stop(actions), "commands published while disabled"
+    assert output_stops(actions), "commands published while disabled"
     switch.click()
     wait.until(lambda d: text(d, "enable-message") == "action output enabled")
     count = len(actions)

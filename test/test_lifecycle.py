@@ -1,9 +1,11 @@
 """oxygen_engine as a managed node, driven from another process through the standard lifecycle services
 (lifecycle_msgs ChangeState/GetState), as a lifecycle manager or `ros2 lifecycle set` would: a failed
 configure (corrupt checkpoint) leaves it unconfigured with the reason; configure -> inactive (model loaded,
-no actions, requests refused); activate -> actions, replies and the debug image; deactivate -> actions stop at once;
+no actions, requests refused); activate -> actions, replies and the debug image; deactivate -> actions stop;
 cleanup -> unconfigured (nothing published); configure again; shutdown from active -> finalized, actions
-stop; the process then exits cleanly."""
+stop; the process then exits cleanly. With requests in flight (no camera: they wait), every transition and
+Ctrl-C answers each of them with the reason, and cleanup -> configure -> activate works every time (issue #21).
+Waits are event-driven with generous bounds (wait_until, output_stops), none a fixed slack."""
 import signal
 import time
 
@@ -17,7 +19,7 @@ from sensor_msgs.msg import Image
 from std_msgs.msg import Float64MultiArray
 
 from oxygen_interfaces.srv import Converse
-from ros_harness import Bringup, RosClient, private_domain, running_bringup, wait_until
+from ros_harness import Bringup, RosClient, output_stops, private_domain, running_bringup, wait_until
 
 
 def call(client, srv_type, name, request, timeout=120.0):
@@ -85,7 +87,7 @@ def test_transitions_through_the_lifecycle_services(managed, tmp_path):
     set_checkpoint(client, "")
     assert transition(client, Transition.TRANSITION_CONFIGURE)
     assert state(client) == State.PRIMARY_STATE_INACTIVE
-    assert bringup.wait_for_line("loading model demo from random weights (no checkpoint) on cpu: done in", 5)
+    assert bringup.wait_for_line("loading model demo from random weights (no checkpoint) on cpu: done in", 30)
     time.sleep(1.5)
     assert not actions, "actions published while inactive"
     r = ask(client)
@@ -102,13 +104,10 @@ def test_transitions_through_the_lifecycle_services(managed, tmp_path):
     picture = pictures[-1][1]
     assert picture.encoding == "rgb8" and picture.width == 448 and picture.height > 448 + 3 * 18   # 3 joint lanes
 
-    # Deactivate: actions stop at once (a command already in flight may land within 0.3 s on a loaded
-    # machine), the model stays loaded.
+    # Deactivate: actions stop (output_stops: event-driven, a command already in flight may land late on a
+    # loaded machine), the model stays loaded.
     assert transition(client, Transition.TRANSITION_DEACTIVATE)
-    stopped = time.monotonic()
-    time.sleep(1.0)
-    late = [t for t, _ in list(actions) if t > stopped + 0.3]
-    assert not late, f"{len(late)} actions published after deactivate"
+    assert output_stops(actions), "actions published after deactivate"
     assert state(client) == State.PRIMARY_STATE_INACTIVE
     assert not ask(client).success
     assert transition(client, Transition.TRANSITION_ACTIVATE)      # no reload: active again at once
@@ -120,10 +119,8 @@ def test_transitions_through_the_lifecycle_services(managed, tmp_path):
     assert transition(client, Transition.TRANSITION_CLEANUP)
     assert state(client) == State.PRIMARY_STATE_UNCONFIGURED
     assert bringup.wait_for_line("unconfigured: model released", 5)
-    time.sleep(0.5)
+    assert output_stops(actions), "actions published while unconfigured"
     count = len(actions)
-    time.sleep(1.0)
-    assert len(actions) == count, "actions published while unconfigured"
 
     # Configure again (the nodes around the engine are rebuilt), activate, and shut down from active.
     assert transition(client, Transition.TRANSITION_CONFIGURE)
@@ -131,10 +128,8 @@ def test_transitions_through_the_lifecycle_services(managed, tmp_path):
     assert wait_until(lambda: len(actions) > count + 20, 60), "no actions after a second configure"
     assert ask(client).success
     assert transition(client, Transition.TRANSITION_ACTIVE_SHUTDOWN)
-    stopped = time.monotonic()
     assert state(client) == State.PRIMARY_STATE_FINALIZED
-    time.sleep(1.0)
-    assert not [t for t, _ in list(actions) if t > stopped + 0.3], "actions published after shutdown"
+    assert output_stops(actions), "actions published after shutdown"
 
 
 # ------------------------------------------------------------------ requests in flight (issue #21, item 1)
