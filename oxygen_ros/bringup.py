@@ -292,17 +292,30 @@ class ProcessNodes:
     def destroy(self, reason: str = "") -> None:
         """Every pending question answered (refused with `reason`) while the executors still spin, then the
         nodes leave their executors and are destroyed."""
-        for robot in getattr(self, "robots", []):
-            if robot.conversation is not None and getattr(self, "_placed", None):
-                robot.conversation.close(reason or "engine stopped")
-        for closing in (self.console, self.recorder):
-            if closing is not None:
-                closing.close()
+        closing = [robot.conversation.close for robot in getattr(self, "robots", [])
+                   if robot.conversation is not None and getattr(self, "_placed", None)]
+        for close in closing:
+            self._safely(close, reason or "engine stopped")
+        for node in (self.console, self.recorder):
+            if node is not None:
+                self._safely(node.close)
         for executor, node in getattr(self, "_placed", []):
             executor.remove_node(node)
         for node in self.nodes:
             node.destroy_node()
         self.nodes = []
+
+    @staticmethod
+    def _safely(close, *args) -> None:
+        """A close that raises must not keep the other nodes from being closed and destroyed (it runs in
+        the engine node's cleanup and shutdown, where rclpy would swallow the exception)."""
+        try:
+            close(*args)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            print(f"oxygen_bringup: closing {getattr(close, '__self__', close)} failed: {type(e).__name__}: {e}\n"
+                  f"{traceback.format_exc()}", file=sys.stderr, flush=True)
 
     def diagnostics(self) -> list:
         """Every node's statuses; one that fails reports the failure instead of ending the executor thread

@@ -168,7 +168,10 @@ class InFlight:
 
     def wait_answered(self, reason: str, timeout: float = 20.0) -> None:
         """Every call and goal answered, refused with `reason` (no reply can exist without a frame)."""
+        start = time.monotonic()
         wait_until(lambda: self.answered() == (CALLS, GOALS), timeout)
+        print(f"{reason}: {self.answered()} of {(CALLS, GOALS)} (calls, goals) answered "
+              f"{time.monotonic() - start:.2f} s after the transition returned")
         assert self.answered() == (CALLS, GOALS), f"answered (calls, goals): {self.answered()} of {(CALLS, GOALS)}"
         for r in [f.result() for f in self.calls] + [f.result().result for f in self.results]:
             assert not r.success and reason in r.error, r
