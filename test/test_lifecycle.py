@@ -211,8 +211,10 @@ def test_every_pending_request_is_answered_by_deactivate_cleanup_and_shutdown(ca
         pending = InFlight(client)
         assert queued(client, CALLS + GOALS)
         assert pending.answered() == (0, 0)
+        start = time.monotonic()
         assert transition(client, Transition.TRANSITION_DEACTIVATE)
         assert transition(client, Transition.TRANSITION_CLEANUP)
+        print(f"deactivate + cleanup with {CALLS} calls and {GOALS} goals pending: {time.monotonic() - start:.2f} s")
         pending.wait_answered("oxygen_engine deactivated")
         pending.close()
         assert state(client) == State.PRIMARY_STATE_UNCONFIGURED

@@ -87,10 +87,6 @@ class _DeferredResponse:
         if header is not None:
             self._send(response, header)
 
-    @property
-    def completed(self) -> bool:
-        return self._response is not None
-
 
 class _DeferredService:
     """The one hook into rclpy: the executor sends a callback's return value with
@@ -266,7 +262,9 @@ class ConversationService(Node):
         self.refusal = self.stopping = reason
         deadline = time.monotonic() + timeout_s
         with self._idle:
-            self._idle.wait_for(lambda: self._unsent == 0 and self._goals_done(), timeout_s)
+            # A send notifies; a goal ends inside rclpy (no notification): looked at every 20 ms.
+            while not (self._unsent == 0 and self._goals_done()) and time.monotonic() < deadline:
+                self._idle.wait(0.02)
         self._results_handed_out(max(deadline - time.monotonic(), 0.1))
         self._send_replies()           # what the executor could not send in time (all its threads busy)
         if self._unsent or not self._goals_done():
