@@ -133,13 +133,23 @@ class Executors:
                 if self._stopping.is_set() or not executor.context.ok():
                     return
                 time.sleep(0.05)                 # no node to wait on yet (or any more): wait for one
+            except Exception:  # noqa: BLE001 - a callback's exception must not end the thread (and its traffic)
+                if self._stopping.is_set() or not executor.context.ok():
+                    return
+                import traceback
+
+                print(f"oxygen_bringup: a callback on {threading.current_thread().name} raised (the executor "
+                      f"keeps spinning):\n{traceback.format_exc()}", file=sys.stderr, flush=True)
 
     def shutdown(self) -> None:
+        """The spinning threads leave first (each wait lasts at most 0.2 s), then the executors shut down:
+        an executor shut down under a thread still in spin_once made the handler it was building call
+        `trigger()` on the executor's destroyed guard condition (None: a traceback at Ctrl-C)."""
         self._stopping.set()
-        for executor, _ in self._named:
-            executor.shutdown(timeout_sec=2.0)
         for t in self._threads:
             t.join(timeout=2.0)
+        for executor, _ in self._named:
+            executor.shutdown(timeout_sec=2.0)
 
 
 class RobotNodes:
@@ -194,9 +204,10 @@ class RobotNodes:
         self.conversation.active = self.action.active = True
         self.action.set_enabled(self.action.p["start_enabled"])
 
-    def deactivate(self) -> None:
+    def deactivate(self, reason: str) -> None:
         # Inactive first, so that no oxygen/enable call can turn output back on after the final stop.
-        self.action.active = self.conversation.active = False
+        self.action.active = False
+        self.conversation.refusal = reason
         self.action.set_enabled(False)
 
 
@@ -210,6 +221,7 @@ class ProcessNodes:
         from rclpy.parameter import Parameter
 
         from .console.console_node import ConsoleNode
+        from .nodes.fleet import shared_outputs
         from .nodes.params import ParameterError
         from .record.recorder import Recorder, raw_topics
 
@@ -236,7 +248,7 @@ class ProcessNodes:
                          for flag, given in (("record", record), ("console", console_port)) if given]
             self.robots = [RobotNodes(engine, build, r.name, r.namespace, lambda node, r=r: r.parameters(node, files))
                            for r in fleet]
-            problems += _shared_inputs(self.robots)
+            problems += _shared_inputs(self.robots) + shared_outputs(fleet, files, _node_defaults())
         single = self.robots[0]
         self.recorder = self.console = None
         if not problems:
@@ -250,7 +262,7 @@ class ProcessNodes:
                 parameter_overrides=[Parameter("path", value=record)] if record else []))
             self.console = build(lambda: ConsoleNode(
                 engine, single.action, single.conversation, single.observation, single.view,
-                lambda: engine_node.state_label,
+                lambda: engine_node.state_label, safe_stop_service=engine_node.clear_safe_stop_service,
                 parameter_overrides=[Parameter("port", value=console_port)] if console_port else []))
         if problems:
             self.destroy()
@@ -269,19 +281,41 @@ class ProcessNodes:
         for robot in self.robots:
             robot.activate()
 
-    def deactivate(self) -> None:
+    def disable_output(self) -> None:
         for robot in self.robots:
-            robot.deactivate()
+            robot.action.set_enabled(False)
 
-    def destroy(self) -> None:
-        for closing in (self.console, self.recorder):
-            if closing is not None:
-                closing.close()
+    def deactivate(self, reason: str) -> None:
+        for robot in self.robots:
+            robot.deactivate(reason)
+
+    def destroy(self, reason: str = "") -> None:
+        """Every pending question answered (refused with `reason`) while the executors still spin, then the
+        nodes leave their executors and are destroyed."""
+        closing = [robot.conversation.close for robot in getattr(self, "robots", [])
+                   if robot.conversation is not None and getattr(self, "_placed", None)]
+        for close in closing:
+            self._safely(close, reason or "engine stopped")
+        for node in (self.console, self.recorder):
+            if node is not None:
+                self._safely(node.close)
         for executor, node in getattr(self, "_placed", []):
             executor.remove_node(node)
         for node in self.nodes:
             node.destroy_node()
         self.nodes = []
+
+    @staticmethod
+    def _safely(close, *args) -> None:
+        """A close that raises must not keep the other nodes from being closed and destroyed (it runs in
+        the engine node's cleanup and shutdown, where rclpy would swallow the exception)."""
+        try:
+            close(*args)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            print(f"oxygen_bringup: closing {getattr(close, '__self__', close)} failed: {type(e).__name__}: {e}\n"
+                  f"{traceback.format_exc()}", file=sys.stderr, flush=True)
 
     def diagnostics(self) -> list:
         """Every node's statuses; one that fails reports the failure instead of ending the executor thread
@@ -298,6 +332,17 @@ class ProcessNodes:
                 statuses.append(status(f"oxygen_ros: {node.get_fully_qualified_name()}", DiagnosticStatus.ERROR,
                                        f"diagnostics failed: {type(e).__name__}: {e}", {}))
         return statuses
+
+
+def _node_defaults() -> dict[str, dict]:
+    """The defaults a robot's nodes declare (fleet.shared_outputs resolves their output names)."""
+    from .nodes.action_publisher import PARAMS as ACTION
+    from .nodes.conversation_service import PARAMS as CONVERSATION
+    from .view.view_node import PARAMS as VIEW
+
+    return {node: {p.name: p.default for p in params}
+            for node, params in (("oxygen_action", ACTION), ("oxygen_conversation", CONVERSATION),
+                                 ("oxygen_view", VIEW))}
 
 
 def _shared_inputs(robots: list[RobotNodes]) -> list[str]:
@@ -342,6 +387,12 @@ def main(argv: list[str] | None = None) -> int:
     rcl_args = ["oxygen_bringup", "--ros-args"] + [a for f in files for a in ("--params-file", f)]
     rcl_args += [a for a in ros_args if a != "--ros-args"]
     sys.setswitchinterval(0.001)
+    # SIGINT/SIGTERM from here on: the orderly stop below (the first one; more are ignored). Installed before
+    # the model loads, so that a signal during the load stops the process once the load is over instead of
+    # raising KeyboardInterrupt through the lifecycle transition.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     rclpy.init(args=rcl_args, signal_handler_options=SignalHandlerOptions.NO)
     executors = Executors(args.threads)
     engine_node = EngineNode(attach=lambda engine: ProcessNodes(engine, executors, engine_node, args.record,
@@ -358,30 +409,24 @@ def main(argv: list[str] | None = None) -> int:
                 print("oxygen_bringup: refusing to start, bad parameters:\n  " + "\n  ".join(problems),
                       file=sys.stderr)
                 return 2
-            engine_node.trigger_activate()
+            if not stop.is_set():          # Ctrl-C during the load: no activation, straight to the shutdown
+                engine_node.trigger_activate()
         if args.demo:
-            from .nodes.demo_client import DemoClient
+            from .nodes.demo_client import DemoClient, SceneQuestions
             from .nodes.sim_robot import SimRobotNode
 
             sim = SimRobotNode()
-
-            def question():
-                q = sim.world.next_question()
-                return q.text, q.answer
-
-            for node in (sim, DemoClient(questions=question)):
+            questions = SceneQuestions(lambda: (sim.world.layout, sim.world.scene.tip()), sim.scene_shown)
+            for node in (sim, DemoClient(questions=questions)):
                 nodes.append(node)
                 executors.other.add_node(node)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
         executors.start()
         how = ("managed: waiting for lifecycle transitions on /oxygen_engine/change_state" if args.managed
                else "Ctrl-C stops")
         print(f"oxygen_bringup: running ({', '.join(n.get_name() for n in nodes)}); {how}", flush=True)
         start = time.monotonic()
         next_status = start + args.status_period
-        while not stop.wait(0.1):
+        while not stop.is_set() and not stop.wait(0.1):
             now = time.monotonic()
             if args.duration and now - start >= args.duration:
                 break
@@ -406,6 +451,11 @@ def main(argv: list[str] | None = None) -> int:
             node.destroy_node()
         if rclpy.ok():
             rclpy.shutdown()
+        # Python puts back the default handlers of the signals it handled while it finalises (torch, DDS and
+        # MuJoCo teardown: 0.7-2.6 s measured): a further Ctrl-C there killed the stopped process (exit
+        # -2, 130 in a shell). Everything is stopped by now: ignore them.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

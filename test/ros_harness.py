@@ -114,3 +114,16 @@ def wait_until(predicate, timeout: float, period: float = 0.05) -> bool:
             return True
         time.sleep(period)
     return predicate()
+
+
+def output_stops(messages: list, quiet_s: float = 1.0, timeout: float = 20.0) -> bool:
+    """`messages` (a RosClient.collect list) stop: none for `quiet_s` (within `timeout`), then none for
+    another 1.5 s. Event-driven: a command already in flight when output stopped may land late on a loaded
+    machine (a fixed 0.3 s slack failed under load), but output that goes on is caught."""
+    def quiet():
+        return not messages or time.monotonic() - messages[-1][0] > quiet_s
+    if not wait_until(quiet, timeout):
+        return False
+    count = len(messages)
+    time.sleep(1.5)
+    return len(messages) == count

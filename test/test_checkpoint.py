@@ -345,3 +345,27 @@ def test_a_bad_shard_index_is_a_checkpoint_error(tmp_path, index, problem):
     (tmp_path / "model.safetensors.index.json").write_text(index)
     with pytest.raises(CheckpointError, match=f"model.safetensors.index.json: .*{problem}"):
         load_pi05(tmp_path, CFG)
+
+
+def test_the_float32_islands_spelled_out_by_parameter_name(tmp_path):
+    """bfloat16 serving keeps exactly these parameters in float32, named per layer here rather than with
+    the regex the code uses (model/pi05.py FLOAT32_ISLANDS): dropping the VLM's post-attention norms from
+    that regex passed the test above, which compares against the same regex (issue #21)."""
+    save_checkpoint(random_model(), tmp_path)
+    loaded = load_pi05(tmp_path, CFG, dtype=torch.bfloat16)
+    names = [n for n, _ in loaded.named_parameters()]
+
+    def under(module: str) -> set[str]:
+        found = {n for n in names if n == module or n.startswith(module + ".")}
+        assert found, f"no parameter under {module}"
+        return found
+
+    expected = set().union(*(under(m) for m in (
+        "vision.patch_embedding", "vision.position_embedding", "vlm_norm", "expert_norm",
+        "action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out")))
+    for stack, depth in (("vlm", CFG.vlm.depth), ("expert", CFG.expert.depth)):
+        for layer in range(depth):
+            for norm in ("input_norm", "post_attention_norm"):      # the expert's: adaRMS modulation (dense)
+                expected |= under(f"{stack}_layers.{layer}.{norm}")
+    float32 = {n for n, p in loaded.named_parameters() if p.dtype == torch.float32}
+    assert float32 == expected, (sorted(float32 - expected), sorted(expected - float32))

@@ -1,25 +1,50 @@
 """The operator console in a real browser: headless Chromium (Debian's chromium + chromium-driver,
-driven by selenium) loads the page served by `oxygen_bringup --demo --console PORT`, sees the status
-figures and the live pictures, asks a question and watches the reply stream in, and switches action
-output off and on (checked over DDS: commands stop, then resume)."""
+driven by selenium) loads the page served by `oxygen_bringup --demo --console PORT` with the token the
+process printed, sees the status figures and the live pictures, asks a question and watches the reply
+stream in, and switches action output off and on (checked over DDS: commands stop, then resume).
+Then the console as an attacker and a careless operator meet it: no token, a foreign Host (DNS
+rebinding), a foreign Origin, a page on another origin in the same browser, a "simple" text/plain
+POST, a prompt over the robot's limit, a bad max_tokens, slow request heads and thousands of idle
+connections (issue #21).
+
+Waits are event-driven (WebDriverWait, wait_until) with generous bounds; the streaming check is made
+deterministic by one decode step per frame (decode_budget fixed), not by timing."""
+import http.client
+import json
 import os
 import re
 import shutil
 import socket
+import threading
 import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
-from std_msgs.msg import Float64MultiArray
+from std_msgs.msg import Float64MultiArray, String
 
-from ros_harness import private_domain, running_bringup, wait_until
+from ros_harness import output_stops, private_domain, running_bringup, wait_until
 
 CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
                 "--window-size=1280,860"]
+MAX_CONNECTIONS = 16
+HEAD_TIMEOUT_S = 2.0
+PARAMS = f"""
+oxygen_engine:
+  ros__parameters:
+    decode_budget: fixed        # one token per frame: a reply streams in several partials on any load
+    tokens_per_frame: 1
+oxygen_console:
+  ros__parameters:
+    max_connections: {MAX_CONNECTIONS}
+    request_head_timeout_s: {HEAD_TIMEOUT_S}
+"""
 
 
 def free_port() -> int:
@@ -28,22 +53,54 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Console:
+    def __init__(self, driver, client, bringup, port: int, token: str):
+        self.driver, self.client, self.bringup, self.port, self.token = driver, client, bringup, port, token
+        self.base = f"http://127.0.0.1:{port}"
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+                token: bool = True) -> tuple[int, str]:
+        """(status, body text) of a raw HTTP request (http.client sends exactly the headers given)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=20)
+        headers = dict(headers or {})
+        if token:
+            headers.setdefault("X-Oxygen-Token", self.token)
+        if body is not None:
+            headers.setdefault("Content-Type", "application/json")
+        try:
+            conn.request(method, path, body=body, headers=headers)
+            r = conn.getresponse()
+            return r.status, r.read().decode(errors="replace")
+        finally:
+            conn.close()
+
+    def status(self) -> dict:
+        code, text = self.request("GET", "/status")
+        assert code == 200, (code, text)
+        return json.loads(text)
+
+
 @pytest.fixture(scope="module")
 def console(tmp_path_factory):
     assert shutil.which("chromium") and shutil.which("chromedriver"), \
         "needs Debian's chromium and chromium-driver (scripts/setup.sh installs them as root)"
     port = free_port()
     domain = private_domain(41)
+    params = tmp_path_factory.mktemp("params") / "console.yaml"
+    params.write_text(PARAMS)
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium")
     for flag in CHROME_FLAGS + [f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"]:
         options.add_argument(flag)
-    with running_bringup(["--demo", "--console", str(port), "--status-period", "0"], domain, "console_test",
-                         ready=f"console on http://127.0.0.1:{port}/") as (bringup, client):
+    with running_bringup(["--demo", "--console", str(port), "--params-file", str(params), "--status-period", "0"],
+                         domain, "console_test", ready=f"console on http://127.0.0.1:{port}/") as (bringup, client):
+        # Like Jupyter: the URL with the token is printed at start (stdout only, not on /rosout).
+        assert bringup.wait_for_line(f"http://127.0.0.1:{port}/?token=", 10), bringup.output()
+        token = re.search(rf"http://127\.0\.0\.1:{port}/\?token=([\w-]+)", bringup.output()).group(1)
         driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
         try:
-            driver.get(f"http://127.0.0.1:{port}/")
-            yield driver, client, bringup
+            driver.get(f"http://127.0.0.1:{port}/?token={token}")
+            yield Console(driver, client, bringup, port, token)
         finally:
             driver.quit()
 
@@ -53,27 +110,29 @@ def text(driver, element_id: str) -> str:
 
 
 def test_status_pictures_chat_and_enable(console):
-    driver, client, bringup = console
+    driver, client, bringup = console.driver, console.client, console.bringup
     wait = WebDriverWait(driver, 60, poll_frequency=0.2)
     # Status figures and the lifecycle state come from the running engine.
     wait.until(lambda d: text(d, "lifecycle") == "active")
-    wait.until(lambda d: text(d, "status-action_hz").endswith("Hz") and float(text(d, "status-action_hz")[:-3]) > 20)
+    wait.until(lambda d: text(d, "status-action_hz").endswith("Hz") and float(text(d, "status-action_hz")[:-3]) > 0)
     assert "/" in text(driver, "status-kv") and text(driver, "status-faults") == "0"
-    assert re.fullmatch(r"touch the \w+ cube", text(driver, "prompt")), text(driver, "prompt")   # the sim's task
+    wait.until(lambda d: re.fullmatch(r"touch the \w+ cube", text(d, "prompt")))   # the sim's task
     # Live pictures: the overlay (448 px wide) and each camera with an image.
     width = "return document.getElementById(arguments[0]).naturalWidth"
     wait.until(lambda d: d.execute_script(width, "picture-overlay") == 448)
     wait.until(lambda d: d.find_elements(By.ID, "picture-base_0_rgb")
                and d.execute_script(width, "picture-base_0_rgb") == 64)     # the demo model's 64 px input
 
-    # A question: the reply streams in (several partial updates), then is complete.
-    driver.find_element(By.ID, "chat-input").send_keys("What is on the table?")
+    # A question: the reply streams in (several partial updates), then is complete. No session unless the
+    # operator starts one: the demo model is single-turn.
+    driver.find_element(By.ID, "chat-input").send_keys("How many cubes are there?")
     driver.find_element(By.ID, "chat-send").click()
     reply = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".reply"))
     wait.until(lambda d: "done" in reply.get_attribute("class") or "failed" in reply.get_attribute("class"))
     assert "done" in reply.get_attribute("class"), reply.text
     assert int(reply.get_attribute("data-partials")) >= 2, "the reply did not stream"
     assert reply.get_attribute("title").split()[0].isdigit()       # "N tokens, frame F, T ms"
+    assert reply.get_attribute("data-session") == ""
     if os.environ.get("OXYGEN_CONSOLE_SCREENSHOT"):
         driver.save_screenshot(os.environ["OXYGEN_CONSOLE_SCREENSHOT"])
 
@@ -85,9 +144,7 @@ def test_status_pictures_chat_and_enable(console):
     switch.click()
     wait.until(lambda d: text(d, "enable-message") == "action output disabled")
     wait.until(lambda d: text(d, "action-state") == "disabled")
-    off = time.monotonic()
-    time.sleep(1.0)
-    assert not [t for t, _ in list(actions) if t > off + 0.3], "commands published while disabled"
+    assert output_stops(actions), "commands published while disabled"
     switch.click()
     wait.until(lambda d: text(d, "enable-message") == "action output enabled")
     count = len(actions)
@@ -95,29 +152,155 @@ def test_status_pictures_chat_and_enable(console):
     assert "Traceback" not in bringup.output()
 
 
+def test_sessions_are_started_by_the_operator(console):
+    driver = console.driver
+    wait = WebDriverWait(driver, 60, poll_frequency=0.2)
+    wait.until(lambda d: text(d, "lifecycle") == "active")
+    driver.find_element(By.ID, "session-start").click()
+    session = wait.until(lambda d: text(d, "session-id"))
+    assert session.startswith("console-")
+    for question in ("How many cubes are there?", "Is there a red cube?"):
+        before = len(driver.find_elements(By.CSS_SELECTOR, ".reply"))
+        driver.find_element(By.ID, "chat-input").send_keys(question)
+        driver.find_element(By.ID, "chat-send").click()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".reply")) > before
+                   and "streaming" not in d.find_elements(By.CSS_SELECTOR, ".reply")[-1].get_attribute("class"))
+        assert driver.find_elements(By.CSS_SELECTOR, ".reply")[-1].get_attribute("data-session") == session
+    driver.find_element(By.ID, "session-end").click()
+    wait.until(lambda d: text(d, "session-id") == "")
+
+
 def test_bad_requests_get_a_clear_error(console):
-    import json
-    import urllib.error
-    import urllib.request
-
-    driver, _, _ = console
-    base = driver.current_url.rstrip("/")
-
-    def post(path, body: bytes):
-        try:
-            with urllib.request.urlopen(urllib.request.Request(base + path, data=body, method="POST"), timeout=10) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
-
+    post = lambda path, body: console.request("POST", path, body)  # noqa: E731
     assert post("/enable", b"not json") == (400, "expected a JSON body")
     assert post("/enable", b'{"enabled": "yes"}') == (400, "'enabled' must be true or false")
     assert post("/ask", b'{"text": "  "}') == (400, "'text' must be a non-empty string")
     assert post("/prompt", b"[1, 2]") == (400, "expected a JSON object")
-    try:
-        urllib.request.urlopen(base + "/picture/nope", timeout=10)
-        raise AssertionError("no error for an unknown picture")
-    except urllib.error.HTTPError as e:
-        assert e.code == 404 and "one of overlay, base_0_rgb" in e.read().decode()
-    status = json.loads(urllib.request.urlopen(base + "/status", timeout=10).read())
+    code, message = post("/ask", b'{"text": "How many cubes are there?", "max_tokens": "abc"}')
+    assert code == 400 and "max_tokens" in message and "'abc'" in message, (code, message)
+    code, message = post("/ask", b'{"text": "hi", "session_id": 7}')
+    assert code == 400 and "session_id" in message, (code, message)
+    # The robot takes at most max_prompt_chars (500): the console says so instead of "success".
+    prompts = console.client.collect(String, "/oxygen/prompt")
+    code, message = post("/prompt", json.dumps({"text": "touch the red cube " + "x" * 600}).encode())
+    assert code == 400 and "500" in message, (code, message)
+    code, message = console.request("GET", "/picture/nope")
+    assert code == 404 and "one of overlay, base_0_rgb" in message
+    time.sleep(1.0)          # what was published would have arrived
+    assert not [m for _, m in list(prompts) if len(m.data) > 500]
+    status = console.status()
     assert status["lifecycle"] == "active" and status["faults"] == 0
+
+
+ATTACK_PROMPT = "touch the purple cube"      # no cube of the demo is purple: only an attacker says this
+
+
+def test_requests_without_the_token_or_from_elsewhere_are_refused(console):
+    assert wait_until(lambda: console.status()["enabled"], 30)
+    prompts = console.client.collect(String, "/oxygen/prompt")
+    change = json.dumps({"enabled": False}).encode()
+    # No token, a wrong one: nothing is served, not even the page.
+    for path in ("/", "/status", "/picture/overlay", "/picture/base_0_rgb"):
+        assert console.request("GET", path, token=False)[0] == 401, path
+        assert console.request("GET", path, headers={"X-Oxygen-Token": "guess"})[0] == 401, path
+    assert console.request("POST", "/enable", change, token=False)[0] == 401
+    # DNS rebinding: the browser talks to 127.0.0.1 but says Host: attacker.example.
+    for path in ("/status", "/picture/base_0_rgb"):
+        code, message = console.request("GET", path, headers={"Host": f"attacker.example:{console.port}"})
+        assert code == 403 and "Host" in message, (code, message)
+    # Another origin, even with the token (a script that stole it cannot use it from a page).
+    code, message = console.request("POST", "/enable", change, headers={"Origin": "http://attacker.example"})
+    assert code == 403 and "Origin" in message, (code, message)
+    code, _ = console.request("POST", "/enable", change, headers={"Sec-Fetch-Site": "cross-site"})
+    assert code == 403
+    # A CORS "simple" request (text/plain needs no preflight): changes take JSON only.
+    code, message = console.request("POST", "/prompt", json.dumps({"text": ATTACK_PROMPT}).encode(),
+                                    headers={"Content-Type": "text/plain"})
+    assert code == 415 and "application/json" in message, (code, message)
+    assert console.request("POST", "/prompt", json.dumps({"text": ATTACK_PROMPT}).encode(), token=False)[0] == 401
+    time.sleep(1.0)          # what was published would have arrived
+    assert console.status()["enabled"]
+    assert ATTACK_PROMPT not in [m.data for _, m in list(prompts)]
+
+
+def test_a_page_on_another_origin_cannot_switch_the_robot(console):
+    """The attack as a browser runs it: the operator's Chromium (the console open in it) visits a page on
+    another origin that posts to the console without a preflight."""
+    attack = f"""<!doctype html><script>
+      for (const [path, body] of [["/enable", '{{"enabled": false}}'], ["/prompt", '{{"text": "{ATTACK_PROMPT}"}}']])
+        fetch("http://127.0.0.1:{console.port}" + path, {{method: "POST", mode: "no-cors", credentials: "include",
+              headers: {{"Content-Type": "text/plain"}}, body}}).catch(() => {{}});
+      document.title = "sent";
+    </script>"""
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(attack.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.2", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    prompts = console.client.collect(String, "/oxygen/prompt")
+    assert console.status()["enabled"]
+    refused_before = refused_requests(console)
+    driver = console.driver
+    try:
+        driver.get(f"http://127.0.0.2:{server.server_address[1]}/")
+        WebDriverWait(driver, 30).until(lambda d: d.title == "sent")
+        time.sleep(2.0)      # the requests went out (no-cors: the page cannot see their answer)
+    finally:
+        server.shutdown()
+        driver.get(f"{console.base}/?token={console.token}")
+    assert console.status()["enabled"]
+    assert ATTACK_PROMPT not in [m.data for _, m in list(prompts)]
+    # The two requests did reach the console, which refused them.
+    assert wait_until(lambda: refused_requests(console) >= refused_before + 2, 10)
+
+
+def refused_requests(console) -> int:
+    """The console's count of refused requests, from its /diagnostics status (published every second)."""
+    from diagnostic_msgs.msg import DiagnosticArray
+
+    seen = []
+    sub = console.client.node.create_subscription(
+        DiagnosticArray, "/diagnostics",
+        lambda m: seen.extend(int(kv.value) for st in m.status if st.name == "oxygen_ros: console"
+                              for kv in st.values if kv.key == "refused_requests"), 10)
+    try:
+        assert wait_until(lambda: seen, 10), "no console diagnostics"
+        return seen[-1]
+    finally:
+        console.client.node.destroy_subscription(sub)
+
+
+def test_slow_heads_and_idle_connections_are_bounded(console):
+    pid = console.bringup.proc.pid
+    fds = lambda: len(os.listdir(f"/proc/{pid}/fd"))  # noqa: E731
+    baseline = fds()
+    # A head that never ends (slowloris) is closed after request_head_timeout_s.
+    slow = socket.create_connection(("127.0.0.1", console.port))
+    slow.sendall(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    slow.settimeout(HEAD_TIMEOUT_S * 10)
+    opened = time.monotonic()
+    assert slow.recv(1024) == b"", "the incomplete request was answered"
+    assert time.monotonic() - opened >= HEAD_TIMEOUT_S * 0.9
+    slow.close()
+    # 500 idle connections: at most max_connections are kept; the process does not run out of descriptors.
+    idle = []
+    for _ in range(500):
+        try:
+            idle.append(socket.create_connection(("127.0.0.1", console.port), timeout=5))
+        except OSError:
+            pass
+    time.sleep(0.5)
+    assert fds() < baseline + MAX_CONNECTIONS + 20, (baseline, fds())
+    # When the idle ones are timed out, the console answers again.
+    assert wait_until(lambda: fds() < baseline + 5, HEAD_TIMEOUT_S * 10), (baseline, fds())
+    for s in idle:
+        s.close()
+    assert console.status()["lifecycle"] == "active"

@@ -31,8 +31,10 @@ def test_stop_lists_are_bounded_with_a_clear_error(engine_factory, obs):
 
 # ---------------------------------------------------------------------------------------------- item 2
 def test_nan_logits_in_a_sampled_row_fail_that_request_alone(engine_factory, obs):
+    # On a simulated clock: on the real one a loaded machine timed requests out (30 s from submission)
+    # before the drain ended them, and the two runs differed for that reason alone.
     def run(poison: bool):
-        engine = engine_factory(policy="oxygen", decode_budget="fixed", tokens_per_frame=2)
+        engine = engine_factory(policy="oxygen", decode_budget="fixed", tokens_per_frame=2, clock=SimClock())
         sampled = engine.submit(TextRequest("first question", max_tokens=8,
                                             sampling=Sampling(temperature=1.0, seed=1)))
         greedy = engine.submit(TextRequest("second question", max_tokens=8))
@@ -71,8 +73,10 @@ def test_timeouts_are_validated(engine_factory, timeout):
 
 
 def test_a_request_that_can_never_fit_is_refused_and_blocks_no_one(engine_factory, obs):
+    # On a simulated clock: the big request decodes for hundreds of cycles, which on a loaded machine took
+    # longer than the requests' 30 s timeout on the real clock.
     engine = engine_factory(kv_budget_mb=0.1, block_size=8, max_tokens_limit=4096, decode_budget="fixed",
-                            tokens_per_frame=1)
+                            tokens_per_frame=1, clock=SimClock())
     sched = engine.scheduler
     never = engine.submit(TextRequest("describe everything", max_tokens=4000)).result(0)
     assert never.finish_reason == "refused" and never.error.startswith("can never fit: needs")

@@ -107,6 +107,15 @@ oxygen_observation:
     assert [r.name for r in robots] == ["arm_a", "arm_b", "arm_f", "arm_g"]   # the others could not be read
 
 
+def test_output_names_resolve_as_ros_resolves_them():
+    from oxygen_ros.nodes.fleet import resolve_name
+
+    assert resolve_name("oxygen/action", "/arm_a", "oxygen_action") == "/arm_a/oxygen/action"
+    assert resolve_name("/cmd", "/arm_a", "oxygen_action") == "/cmd"
+    assert resolve_name("~/action", "/cell/arm_a", "oxygen_action") == "/cell/arm_a/oxygen_action/action"
+    assert resolve_name("oxygen/action", "/", "oxygen_action") == "/oxygen/action"
+
+
 # ------------------------------------------------------------------------------ refused before anything moves
 def bringup(*args, timeout=180):
     env = dict(os.environ, ROS_DOMAIN_ID="0", PYTHONUNBUFFERED="1")
@@ -141,18 +150,49 @@ oxygen_engine:
 def test_each_robot_s_node_problems_are_listed_with_its_name(tmp_path):
     fleet = FLEET.replace("    state_topic: joint_states\n/arm_b/oxygen_action:",   # arm_b reads arm_a's joints
                           "    state_topic: /arm_a/joint_states\n/arm_b/oxygen_action:")
+    # ... and writes its commands, chunks, captions and pictures where arm_a's go, and serves arm_a's service.
+    fleet = fleet.replace("  ros__parameters: {output_type: float64_array}",
+                          "  ros__parameters: {output_type: float64_array, action_topic: /arm_a/oxygen/action, "
+                          "chunk_topic: /arm_a/oxygen/action_chunk}")
     assert fleet != FLEET
     params = write(tmp_path / "fleet.yaml", fleet + """
 /arm_a/oxygen_action:
   ros__parameters: {joint_names: [a, b]}
+/arm_b/oxygen_conversation:
+  ros__parameters: {memory_topic: /arm_a/oxygen/memory, service_name: /arm_a/oxygen/converse}
+/arm_b/oxygen_view:
+  ros__parameters: {debug_topic: /arm_a/oxygen/debug_image}
 """)
     r = bringup("--params-file", str(params), "--record", str(tmp_path / "bag"))
     assert r.returncode == 2, r.stdout + r.stderr
     for line in ("arm_a: joint_names has 2 names, the actions have 8 dimensions",
                  "--record: not available with a fleet (robots: arm_a, arm_b) yet",
-                 "arm_a and arm_b both read their state from /arm_a/joint_states"):
+                 "arm_a and arm_b both read their state from /arm_a/joint_states",
+                 "arm_a and arm_b both publish their commands (action_topic) on /arm_a/oxygen/action",
+                 "arm_a and arm_b both publish their chunks (chunk_topic) on /arm_a/oxygen/action_chunk",
+                 "arm_a and arm_b both publish their captions (memory_topic) on /arm_a/oxygen/memory",
+                 "arm_a and arm_b both serve their conversation service (service_name) on /arm_a/oxygen/converse"):
         assert line in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_robots_sharing_only_an_output_topic_are_refused(tmp_path):
+    """The review's case: everything else right, arm_b's commands on arm_a's topic (the view is built only
+    once the robots' nodes are good, so its topics are checked in a fleet that is otherwise right)."""
+    fleet = FLEET.replace("  ros__parameters: {output_type: float64_array}",
+                          "  ros__parameters: {output_type: float64_array, action_topic: /arm_a/oxygen/action}")
+    params = write(tmp_path / "fleet.yaml", fleet + """
+/arm_a/oxygen_view:
+  ros__parameters: {debug_topic: /debug_image}
+/arm_b/oxygen_view:
+  ros__parameters: {debug_topic: /debug_image}
+""")
+    r = bringup("--params-file", str(params))
+    assert r.returncode == 2, r.stdout + r.stderr
+    for line in ("arm_a and arm_b both publish their commands (action_topic) on /arm_a/oxygen/action: give each "
+                 "robot its own",
+                 "arm_a and arm_b both publish their debug pictures (debug_topic) on /debug_image"):
+        assert line in r.stderr, r.stderr
 
 
 def test_robots_given_as_one_name_is_refused(tmp_path):

@@ -16,7 +16,7 @@ from geometry_msgs.msg import PoseStamped, TwistStamped
 from rclpy.context import Context
 from rclpy.parameter import Parameter
 from sensor_msgs.msg import CompressedImage, Image, JointState
-from std_msgs.msg import Float64MultiArray
+from std_msgs.msg import Float64MultiArray, String
 from trajectory_msgs.msg import JointTrajectory
 
 from conftest import SimClock
@@ -495,3 +495,81 @@ def test_after_shut_down_output_cannot_be_enabled_again(publisher):
     response = node._on_enable(SetBool.Request(data=True), SetBool.Response())
     assert not response.success and response.message == "shutting down: action output stays disabled"
     assert tick_at(node, 100.0 + DT) == [] and not node.enabled
+
+
+def test_the_stale_watch_is_refreshed_by_observations_not_by_polls(observation):
+    """On a simulated clock: the node's 0.1 s timer polls the assembler; only an observation handed to the
+    engine counts as fresh input. (A watch refreshed by every poll never went stale: issue #21.)"""
+    node = observation(stale_after_s=0.5, prompt="touch the red cube", **{"cameras.base_0_rgb.compressed": False})
+    clock = SimClock(100.0)
+    node._now = clock
+    img = Image(encoding="rgb8", width=4, height=4, step=12, data=bytes(48))
+
+    def inputs():
+        node._on_image("base_0_rgb", _stamped(img, clock.t))
+        node._on_state(_stamped(JointState(name=NAMES, position=[0.1] * 7), clock.t))
+
+    node._poll()                                           # the timer's first poll: nothing seen yet
+    assert not node.inputs_fresh()
+    clock.advance(0.1)                                     # the cameras without a topic now count as missing
+    inputs()
+    assert len(node.engine.observations) == 1 and node.inputs_fresh()
+    fresh = []
+    for _ in range(10):                                    # 1 s of timer polls without input
+        clock.advance(0.1)
+        node._poll()
+        fresh.append(node.inputs_fresh())
+    assert fresh == [True] * 5 + [False] * 5, fresh        # stale once more than 0.5 s old
+    assert node.watch.transitions == 1
+    inputs()
+    assert node.inputs_fresh() and len(node.engine.observations) == 2
+
+
+def test_a_task_prompt_is_logged_once_per_change(observation):
+    """The simulated robot repeats its task every 5 s: one log line per new task, not per message."""
+    node = observation(prompt="touch the red cube")
+    lines = []
+    node.get_logger().info = lambda line, **kw: lines.append(line)
+    for text in ("touch the red cube", "touch the blue cube", "touch the blue cube", " touch the blue cube\n",
+                 "touch the red cube", "touch the red cube"):
+        node._on_prompt(String(data=text))
+    assert lines == ["task prompt: 'touch the blue cube'", "task prompt: 'touch the red cube'"], lines
+    assert node.prompt == "touch the red cube"
+
+
+# ------------------------------------------------------------------------------------------ demo client
+def test_the_demo_client_judges_a_reply_against_the_frame_it_names(ros):
+    """Asked in an episode with two cubes, answered from a frame of the next episode (three cubes): the
+    truth is that frame's, and a question naming a cube that frame lacks is not judged (issue #21)."""
+    from builtin_interfaces.msg import Time
+
+    from oxygen_ros.nodes.demo_client import DemoClient, SceneQuestions
+    from oxygen_ros.sim.scene import COLOUR_NAMES, Layout
+
+    rng = np.random.default_rng(5)
+    two, three = Layout.random(rng, n_cubes=2), Layout.random(rng, n_cubes=3)
+    tip = np.array([0.3, 0.0, 0.2])
+    shown = {1_000_000_000: (two, tip), 2_000_000_000: (three, tip)}
+    questions = SceneQuestions(lambda: (two, tip), shown.get)
+    lines = []
+    client = ros.add(DemoClient(printer=lines.append, context=ros.context))
+
+    def reply(text: str, stamp_s: int):
+        return SimpleNamespace(success=True, reply=text, frame_stamp=Time(sec=stamp_s), frame_index=stamp_s,
+                               tokens=1, latency_s=0.01)
+
+    text, judge = questions()
+    assert text == "How many cubes are there?"
+    assert judge(1_000_000_000) == "two" and judge(2_000_000_000) == "three" and judge(5) is None
+    client._on_reply(text, judge, reply("three", 2))         # the next episode's frame: right
+    assert lines[-1].startswith("[converse] 'How many cubes are there?' -> 'three' [right; 1/1 right]"), lines
+    client._on_reply(text, judge, reply("two", 2))
+    assert "[wrong, truth: 'three'; 1/2 right]" in lines[-1]
+    client._on_reply(text, judge, reply("two", 9))            # a frame whose scene is unknown
+    assert "[not judged" in lines[-1] and client.checked == 2 and client.unjudged == 1
+    for _ in range(6):                                        # the other kinds, in turn
+        text, judge = questions()
+        assert judge(1_000_000_000) is not None, text         # on the scene it was asked about: always known
+        named = [c for c in COLOUR_NAMES if f"the {c} cube" in text]
+        if any(c not in three.colours for c in named):
+            assert judge(2_000_000_000) is None, text         # names a cube the other frame's scene lacks

@@ -71,3 +71,43 @@ def test_parameters_are_read_only_at_run_time(make_node):
     assert not result.successful and "read-only" in result.reason
     assert node.get_parameter("hold_timeout_s").value == 1.0 == values["hold_timeout_s"]
     assert node.describe_parameter("hold_timeout_s").read_only
+
+
+def test_ros2_param_describe_shows_the_bounds(make_node):
+    """What `ros2 param describe` prints comes from the descriptor: the ranges and the choices are there,
+    asked through the node's describe_parameters service as the CLI asks (issue #21)."""
+    from rcl_interfaces.srv import DescribeParameters
+    from rclpy.executors import SingleThreadedExecutor
+
+    from oxygen_ros.nodes.engine_node import EngineNode
+
+    node = make_node()
+    declare_all(node, SPECS)
+    engine_node = EngineNode(context=node.context)
+    executor = SingleThreadedExecutor(context=node.context)
+    executor.add_node(engine_node)
+    executor.add_node(node)
+    client = node.create_client(DescribeParameters, "/oxygen_engine/describe_parameters")
+    future = client.call_async(DescribeParameters.Request(
+        names=["action_rate_hz", "max_active_requests", "policy", "kv_budget_mb", "torch_threads", "checkpoint"]))
+    executor.spin_until_future_complete(future, timeout_sec=10)
+    rate, active, policy, kv, threads, checkpoint = future.result().descriptors
+    engine_node.destroy_node()
+    assert (rate.floating_point_range[0].from_value, rate.floating_point_range[0].to_value) == (1.0, 1000.0)
+    assert rate.additional_constraints == ">= 1 and <= 1000, finite"
+    assert active.integer_range[0].from_value == 1 and active.integer_range[0].to_value == 2**63 - 1
+    assert policy.additional_constraints == "one of: 'isolated', 'shared_kv', 'oxygen'"
+    assert kv.floating_point_range[0].from_value == 1.0 and kv.floating_point_range[0].to_value == math.inf
+    assert (threads.integer_range[0].from_value, threads.integer_range[0].to_value) == (0, 1024)
+    assert not checkpoint.floating_point_range and not checkpoint.integer_range
+    described = {n: node.describe_parameter(n) for n in ("hold_timeout_s", "rate_hz", "mode")}
+    assert described["hold_timeout_s"].floating_point_range[0].from_value == 0.0
+    assert described["mode"].additional_constraints == "one of: 'hold', 'stop'"
+
+
+def test_a_value_out_of_range_is_listed_and_a_later_set_is_refused_by_the_range(make_node):
+    node = make_node(rate_hz=5000.0, hold_timeout_s=0.5)
+    values, problems = declare_all(node, SPECS, read_only=False)
+    assert problems == ["params_test.rate_hz = 5000.0: must be <= 1000.0"]      # listed, not raised by rclpy
+    result = node.set_parameters([Parameter("hold_timeout_s", value=-1.0)])[0]
+    assert not result.successful and "out of range" in result.reason

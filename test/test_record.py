@@ -16,6 +16,7 @@ from std_msgs.msg import String
 
 from oxygen_ros.record.bag import METADATA, RotatingBag
 from oxygen_ros.record.msgdef import resolve
+from oxygen_ros.record.reader import read_file
 from oxygen_ros.record.replay import read_recording, replay, summary
 from oxygen_interfaces.action import Converse as ConverseAction
 from oxygen_interfaces.srv import Converse
@@ -31,33 +32,47 @@ RECORDED = ["/diagnostics", "/oxygen/action", "/oxygen/action_chunk", "/oxygen/c
 
 @pytest.fixture(scope="module")
 def recording(tmp_path_factory):
+    """A demo run recorded into 0.3 MB files (3 kept) while this process asks a question a second (every
+    other one streamed). It runs until the recording has rotated (its first file deleted) and, after that,
+    3 calls and 3 streams were answered and 6 s passed (the simulated robot repeats its task every 5 s):
+    event-driven, so a loaded machine makes it longer, not different (bound: 150 s)."""
     out = tmp_path_factory.mktemp("bag")
     params = tmp_path_factory.mktemp("params") / "fast.yaml"
     params.write_text("oxygen_engine:\n  ros__parameters:\n    memory_period_s: 1.0\n"
                       "oxygen_recorder:\n  ros__parameters:\n    max_file_mb: 0.3\n    max_files: 3\n")
     domain = private_domain(31)
     bringup = Bringup(["--demo", "--record", str(out), "--params-file", str(params), "--status-period", "0"],
-                      domain, timeout_s=16)
+                      domain, timeout_s=200)
     client = RosClient(domain, "record_test")
+    answered = collections.Counter()          # (kind, after the rotation) -> replies
     try:
         assert bringup.wait_for_line("oxygen_bringup: running", 90), bringup.output()
         cli = client.node.create_client(Converse, "/oxygen/converse", qos_profile=QoSProfile(depth=100))
         assert cli.wait_for_service(timeout_sec=30)
         stream = ActionClient(client.node, ConverseAction, "/oxygen/converse_stream")
         assert stream.wait_for_server(timeout_sec=30)
-        asked = 0
-        while bringup.proc.poll() is None:       # a question a second until the recording run ends
+        rotated_at = None
+        deadline = time.monotonic() + 150
+        for asked in range(10_000):
+            if rotated_at is None and any(out.glob("*.mcap")) and not any(out.glob("*_0.mcap")):
+                rotated_at = time.monotonic()
+            after = rotated_at is not None
+            if after and answered["call", True] >= 3 and answered["stream", True] >= 3 \
+                    and time.monotonic() - rotated_at > 6.0:
+                break
+            assert time.monotonic() < deadline and bringup.proc.poll() is None, (answered, bringup.output()[-3000:])
             if asked % 2:                         # every other one as a streaming goal (and its result asked for)
                 goal = stream.send_goal_async(ConverseAction.Goal(text=f"streamed question {asked}?", max_tokens=8))
-                goal.add_done_callback(lambda f: f.result().accepted and f.result().get_result_async())
+                goal.add_done_callback(lambda f, a=after: f.result().accepted and f.result().get_result_async()
+                                       .add_done_callback(lambda _: answered.update([("stream", a)])))
             else:
-                cli.call_async(Converse.Request(text=f"question {asked}?", max_tokens=8))
-            asked += 1
+                cli.call_async(Converse.Request(text=f"question {asked}?", max_tokens=8)).add_done_callback(
+                    lambda _, a=after: answered.update([("call", a)]))
             time.sleep(1.0)
     finally:
         client.close()
-    assert bringup.proc.wait(90) == 0, bringup.output()
-    bringup.stop()
+        code = bringup.stop()
+    assert code == 0, bringup.output()
     assert "recording closed" in bringup.output(), bringup.output()
     return out
 
@@ -132,3 +147,385 @@ def test_rotation_bounds_the_recording(tmp_path):
             reader = make_reader(stream)
             assert [m.name for m in reader.iter_metadata()] == [METADATA]
             assert sum(1 for _ in reader.iter_messages()) > 0
+
+
+# ------------------------------------------------------------------ the recorder under a stalled or full disk
+def test_the_queue_is_bounded_in_bytes(engine_factory, tmp_path):
+    """The disk stalls while frames of three 1280x720 cameras (8.3 MB each) arrive: the queue holds at most
+    queue_mb of them, the rest are dropped and counted exactly; when the disk is back, what was queued is
+    written, and the summary says what was dropped."""
+    import threading
+
+    import numpy as np
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.parameter import Parameter
+
+    from conftest import make_observation
+    from oxygen_ros.record.recorder import Recorder
+
+    context = Context()
+    rclpy.init(context=context)
+    engine = engine_factory()
+    recorder = Recorder(engine, {"engine_params": {}}, {}, [f"j{i}" for i in range(8)], context=context,
+                        parameter_overrides=[Parameter("path", value=str(tmp_path)),
+                                             Parameter("queue_mb", value=20.0)])
+    lines = []
+    recorder.get_logger().info = lambda line, **kw: lines.append(line)
+    disk = threading.Event()
+    write = recorder.bag.write
+    recorder.bag.write = lambda *a, **k: (disk.wait(), write(*a, **k))[1]     # the disk stalls
+    frame_bytes = 3 * 1280 * 720 * 3
+    try:
+        for i in range(10):
+            obs = make_observation(i)
+            obs.images = {slot: np.full((720, 1280, 3), i, np.uint8) for slot in obs.images}
+            obs.image_masks = dict.fromkeys(obs.images, True)
+            engine.run_cycle(obs)
+        # 20 MiB hold two frames; one more may be in the writer's hands (taken, waiting for the disk).
+        assert recorder._queue.bytes <= 20 * (1 << 20)
+        dropped = recorder.queue_full
+        assert 10 - 3 <= dropped <= 10 - 20 * (1 << 20) // frame_bytes, dropped
+    finally:
+        disk.set()
+        recorder.close()
+        recorder.destroy_node()
+        rclpy.shutdown(context=context)
+    states = sum(1 for topic, _, _ in read_file(recorder.bag.files[0]).messages if topic.endswith("/state"))
+    assert states == 10 - dropped, (states, dropped)      # every frame not dropped is in the file
+    assert any(f"{dropped} dropped ({dropped} queue full, 0 write errors" in line for line in lines), lines
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs: a real full disk (ENOSPC) without filling the machine's. Needs root (as CI runs)."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("a full disk is simulated with a tmpfs mount: needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def fill(directory):
+    """A file taking every free byte of the file system of `directory`; delete it to free the space."""
+    blocker = directory / "blocker"
+    with open(blocker, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    return blocker
+
+
+def indices(files) -> list[int]:
+    """The message numbers (first 6 characters of each String) in `files`, read as replay reads them."""
+    out = []
+    for path in files:
+        for _, _, data in read_file(path).messages:
+            out.append(int(deserialize_message(data, String).data[:6]))
+    return out
+
+
+def test_a_full_disk_during_a_file_change_recovers_with_an_exact_dropped_count(small_disk):
+    """The disk fills while the file in progress is being finished (its last chunk and summary cannot be
+    written): the file is cut back to its last flush (readable), what was not flushed is counted dropped,
+    and once space returns the recording goes on in a new file; nothing counted as written is lost."""
+    import random
+
+    from conftest import SimClock
+
+    clock, logged = SimClock(), []
+    bag = RotatingBag(small_disk, max_file_bytes=100_000, max_files=50, metadata={"engine_params": "{}"},
+                      retry_s=1.0, clock=clock, log=lambda is_error, line: logged.append(line))
+    rng = random.Random(0)
+    written = 0
+
+    def write(n):
+        nonlocal written
+        for _ in range(n):
+            text = f"{written:06d}" + "".join(rng.choice("0123456789abcdef") for _ in range(4000))
+            bag.write("/t", String, serialize_message(String(data=text)))
+            written += 1
+            if written % 10 == 0:
+                bag.flush()                          # as the recorder does every flush_period_s
+
+    while bag._file_bytes < bag.max_file_bytes:      # the next message starts a new file
+        write(1)
+    bag.flush()
+    write(7)                                         # pending in the writer, not flushed
+    blocker = fill(small_disk)
+    write(30)                                        # the file change fails, then no file can be opened
+    assert bag.failing and bag.write_errors >= 1 and "No space left" in bag.last_error
+    assert bag.dropped >= 30 and any("dropped" in line for line in logged)
+    blocker.unlink()                                  # space returns
+    clock.advance(1.0)
+    before = written
+    write(200)
+    assert not bag.failing
+    bag.close()
+    read = indices(bag.files)
+    assert len(read) == bag.messages and len(set(read)) == len(read)
+    assert bag.messages + bag.dropped == written, (bag.messages, bag.dropped, written)
+    assert set(range(before, written)) <= set(read)               # 200 of 200 after space returned
+    assert any("recording again" in line for line in logged), logged
+
+
+def test_close_on_a_full_disk_is_logged_and_summarised(engine_factory, small_disk):
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.parameter import Parameter
+
+    from conftest import make_observation
+    from oxygen_ros.record.recorder import Recorder
+
+    context = Context()
+    rclpy.init(context=context)
+    engine = engine_factory()
+    recorder = Recorder(engine, {"engine_params": {}}, {}, [f"j{i}" for i in range(8)], context=context,
+                        parameter_overrides=[Parameter("path", value=str(small_disk))])
+    lines = []
+    recorder.get_logger().info = lambda line, **kw: lines.append(("info", line))
+    recorder.get_logger().error = lambda line, **kw: lines.append(("error", line))
+    try:
+        for i in range(5):
+            engine.run_cycle(make_observation(i))
+        assert wait_until(lambda: not len(recorder._queue), 10)
+        fill(small_disk)
+        recorder.close()                    # must not raise: it runs inside the lifecycle's cleanup
+    finally:
+        recorder.destroy_node()
+        rclpy.shutdown(context=context)
+    errors = [line for level, line in lines if level == "error"]
+    assert any("closing failed" in line and "No space left" in line for line in errors), lines
+    summary_line = [line for level, line in lines if line.startswith("recording closed")]
+    assert summary_line and "write errors" in summary_line[0], lines
+    read = read_file(recorder.bag.files[-1])
+    assert read.unfinished and recorder.bag.messages == len(read.messages)
+
+
+def test_a_flush_bounds_what_a_crash_loses(tmp_path):
+    """What a SIGKILL leaves: the file as the OS has it. Everything up to the last flush is readable."""
+    bag = RotatingBag(tmp_path, max_file_bytes=10**9, max_files=3, metadata={"engine_params": "{}"})
+    for i in range(50):
+        bag.write("/t", String, serialize_message(String(data=f"{i:06d}" + "x" * 500)))
+    bag.flush()
+    for i in range(50, 60):
+        bag.write("/t", String, serialize_message(String(data=f"{i:06d}" + "x" * 500)))
+    killed = tmp_path / "killed.mcap"
+    killed.write_bytes(bag.files[0].read_bytes())        # the process dies here: no close, no flush
+    read = read_file(killed)
+    assert read.unfinished and [int(deserialize_message(d, String).data[:6]) for _, _, d in read.messages] == \
+        list(range(50))
+    bag.close()
+
+
+# ------------------------------------------------------------------ replay of killed, broken and hostile files
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.fixture(scope="module")
+def killed_recording(tmp_path_factory):
+    """A demo recording whose process was killed (SIGKILL) mid-run: its last file has no summary."""
+    import signal
+
+    out = tmp_path_factory.mktemp("killed")
+    domain = private_domain(32)
+    bringup = Bringup(["--demo", "--record", str(out), "--status-period", "0"], domain, timeout_s=60)
+    assert bringup.wait_for_line("oxygen_bringup: running", 90), bringup.output()
+    assert bringup.wait_for_line("[converse]", 60), bringup.output()       # a question answered, recorded
+    time.sleep(3.0)
+    killed_at = time.time_ns()
+    bringup.proc.send_signal(signal.SIGKILL)
+    bringup.proc.wait(10)
+    bringup.stop()
+    return out, killed_at
+
+
+def test_replay_reads_a_recording_whose_process_was_killed(killed_recording):
+    directory, _ = killed_recording
+    (directory / "garbage.mcap").write_bytes(b"\x89MCAP0\r\n" + bytes(range(256)) * 40)   # one bad file
+    said = []
+    rec = read_recording([str(directory)], say=said.append)
+    assert rec.skipped["unfinished_files"] == 1 and rec.skipped["unreadable_files"] == 1, rec.files
+    assert any("unfinished" in line for line in said) and any("skipped" in line and "garbage" in line for line in said)
+    report = replay(rec)
+    print(summary(report))
+    assert report["identical"] and report["frames"] > 10, summary(report)
+    assert report["replies"] >= 1
+
+
+@pytest.mark.timing
+def test_a_killed_recording_loses_at_most_the_flush_period(killed_recording):
+    """flush_period_s (2 s) + slack for the writer thread on a loaded machine."""
+    from sensor_msgs.msg import JointState
+
+    directory, killed_at = killed_recording
+    (path,) = [p for p in directory.glob("oxygen_*.mcap")]
+    stamps = []
+    for topic, _, data in read_file(path).messages:
+        if topic == "/oxygen/observation/state":
+            msg = deserialize_message(data, JointState)
+            stamps.append(msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec)
+    lost_s = (killed_at - max(stamps)) / 1e9
+    print(f"the last recorded observation is {lost_s:.2f} s older than the kill")
+    assert lost_s < 2.0 + 2.0, lost_s
+
+
+TINY = {"engine_params": {"model": "tiny", "torch_threads": 1},
+        "conversation_params": {"session_turns": 4, "max_sessions": 100, "default_max_tokens": 8},
+        "camera_slots": ["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"]}
+
+
+def hostile(path, messages=(), metadata=TINY, schema_names=None):
+    """An MCAP file written as an attacker would: `messages` are (topic, message); `schema_names` may give
+    a topic another schema name than its type's."""
+    from mcap.well_known import MessageEncoding, Profile, SchemaEncoding
+    from mcap.writer import Writer
+
+    from oxygen_ros.record.msgdef import message_definition, type_name
+
+    with open(path, "wb") as f:
+        writer = Writer(f)
+        writer.start(profile=Profile.ROS2)
+        writer.add_metadata(METADATA, {k: json.dumps(v) for k, v in metadata.items()})
+        channels = {}
+        for i, (topic, msg) in enumerate(messages):
+            if topic not in channels:
+                name = (schema_names or {}).get(topic, type_name(type(msg)))
+                schema = writer.register_schema(name, SchemaEncoding.ROS2, message_definition(type(msg)).encode())
+                channels[topic] = writer.register_channel(topic, MessageEncoding.CDR, schema)
+            writer.add_message(channels[topic], log_time=i, publish_time=i, data=serialize_message(msg))
+        writer.finish()
+    return path
+
+
+def frame_messages(image_data=None, horizon=5, dim=7, values=None):
+    """One frame as the recorder writes it: a camera image, the state, the chunk."""
+    import cv2
+    import numpy as np
+    from sensor_msgs.msg import CompressedImage, JointState
+
+    from oxygen_interfaces.msg import ActionChunk
+
+    if image_data is None:
+        image_data = cv2.imencode(".png", np.zeros((224, 224, 3), np.uint8))[1].tobytes()
+    image = CompressedImage(format="rgb8; png compressed bgr8", data=image_data)
+    image.header.stamp.sec, image.header.frame_id = 100, "base_0_rgb"
+    state = JointState(position=[0.0] * 8)
+    state.header.stamp.sec = 100
+    chunk = ActionChunk(frame_index=1, horizon=horizon, dim=dim,
+                        actions=values if values is not None else [0.0] * (horizon * dim))
+    chunk.header.stamp.sec = 100
+    return [("/oxygen/observation/prompt", String(data="pick up the cup")),
+            ("/oxygen/observation/base_0_rgb/compressed", image), ("/oxygen/observation/state", state),
+            ("/oxygen/action_chunk", chunk)]
+
+
+def run_replay(capsys, *paths) -> tuple[int, str]:
+    from oxygen_ros.record.replay import main
+
+    code = main([str(p) for p in paths])
+    return code, capsys.readouterr().err
+
+
+def huge_png_header() -> bytes:
+    """A PNG whose header says 12,000 x 12,000 pixels (432 MB decoded), with no pixels at all."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", 12_000, 12_000, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 100))
+            + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("case", ["truncated", "wrong_shape", "huge_image", "huge_pool", "huge_record",
+                                  "chunk_bomb", "bad_metadata", "not_mcap"])
+def test_a_hostile_recording_gives_one_line(case, tmp_path, capsys):
+    import struct
+
+    path = tmp_path / "hostile.mcap"
+    expected = {
+        "truncated": "not an oxygen_ros recording",
+        "wrong_shape": "has 5 values for horizon 1000 x dim 1000",
+        "huge_image": "size 12000x12000 exceeds the limit",
+        "huge_pool": "kv_budget_mb = 102400: more than the cpu memory free now",
+        "huge_record": "not an oxygen_ros recording",
+        "chunk_bomb": "a chunk says it holds 107374182400 bytes",
+        "bad_metadata": "conversation_params.session_turns = -3",
+        "not_mcap": "not an MCAP file",
+    }[case]
+    if case == "truncated":                      # cut inside its first records: no metadata survives
+        data = hostile(tmp_path / "whole.mcap", frame_messages()).read_bytes()
+        path.write_bytes(data[:40])
+    elif case == "wrong_shape":
+        hostile(path, frame_messages(horizon=1000, dim=1000, values=[0.0] * 5))
+    elif case == "huge_image":
+        hostile(path, frame_messages(image_data=huge_png_header()))
+    elif case == "huge_pool":
+        hostile(path, frame_messages(), metadata=dict(TINY, engine_params={"model": "tiny", "kv_budget_mb": 102400.0}))
+    elif case in ("huge_record", "chunk_bomb"):  # a header, then a record of 1 TB or a chunk of 100 GB
+        from mcap.data_stream import RecordBuilder
+        from mcap.records import Chunk, Header
+
+        builder = RecordBuilder()
+        Header(profile="ros2", library="attacker").write(builder)
+        if case == "chunk_bomb":
+            Chunk(compression="zstd", data=b"\0" * 64, message_start_time=0, message_end_time=0, uncompressed_crc=0,
+                  uncompressed_size=100 << 30).write(builder)
+        tail = struct.pack("<BQ", 6, 1 << 40) + b"\0" * 100 if case == "huge_record" else b""
+        path.write_bytes(b"\x89MCAP0\r\n" + builder.end() + tail)
+    elif case == "bad_metadata":
+        hostile(path, frame_messages(), metadata=dict(TINY, conversation_params={"session_turns": -3}))
+    else:
+        path.write_bytes(b"#!/bin/sh\necho not a recording\n")
+    code, err = run_replay(capsys, path)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert expected in err, err
+
+
+def test_replay_never_imports_what_a_file_names(tmp_path, capsys, monkeypatch):
+    """The schema name used to choose the module replay imported (`import this` ran)."""
+    package = tmp_path / "site" / "evilpkg"
+    (package / "msg").mkdir(parents=True)
+    marker = tmp_path / "imported"
+    for module in (package / "__init__.py", package / "msg" / "__init__.py"):
+        module.write_text(f"open({str(marker)!r}, 'w').write('ran')\nclass String: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    path = hostile(tmp_path / "r.mcap", frame_messages(),
+                   schema_names={"/oxygen/observation/prompt": "evilpkg/msg/String"})
+    code, err = run_replay(capsys, path)
+    assert not marker.exists(), "replay imported a module a file named"
+    assert code == 2 and "schema 'evilpkg/msg/String'" in err and "'std_msgs/msg/String'" in err, err
+
+
+def test_replay_from_a_directory_of_untrusted_files_runs_none_of_them(tmp_path):
+    """`python -m` puts the working directory first on the import path: .py files shipped next to a
+    recording must not run, whichever way replay is started."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    marker = tmp_path / "ran"
+    for name in ("numpy", "json", "mcap", "argparse", "rclpy", "yaml"):
+        (tmp_path / f"{name}.py").write_text(f"open({str(marker)!r}, 'a').write({name!r} + ' ')\n")
+    hostile(tmp_path / "r.mcap", frame_messages(horizon=1000, dim=1000, values=[0.0] * 5))
+    replay_cmd = Path(sys.executable).parent / "oxygen_replay"
+    for command in ([sys.executable, "-m", "oxygen_ros.record.replay", "."], [str(replay_cmd), "."]):
+        r = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert not marker.exists(), f"{command}: ran {marker.read_text()}"
+        assert r.returncode == 2 and "has 5 values for horizon 1000 x dim 1000" in r.stderr, r.stderr[-2000:]

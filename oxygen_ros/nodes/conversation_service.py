@@ -12,16 +12,25 @@ spent 55% of a core polling while idle and took only 227 of the 300 calls within
 Its request queue is deep on purpose: with the default depth (keep last 10) a burst of 200 calls from
 one client lost 180 of them silently in the middleware; every request that reaches the package gets a
 reply or an error.
+
+Going away (the engine node's cleanup and shutdown, Ctrl-C): `close` runs while the executors still spin.
+New calls and goals are refused with the reason at once; every call already taken and every streaming
+goal already accepted is answered (the engine, stopped first, fails them; the reason is put in front of
+the engine's error) before the node is destroyed; then the calls still waiting in the middleware queue
+are taken and refused. Nothing is sent on a destroyed service: a response after the service was
+destroyed raised InvalidHandle on the services executor thread, which ended that thread (issue #21).
 """
 from __future__ import annotations
 
 import itertools
 import queue
 import threading
+import time
 
 from diagnostic_msgs.msg import DiagnosticStatus
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy._rclpy_pybind11 import RCLError
 from rclpy.node import Node
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
 
@@ -35,6 +44,8 @@ from .engine_node import status, status_name
 from .params import Param, ParameterError, declare_all
 
 MAX_STREAM_WAIT_S = 24 * 3600.0  # longest a stream waits for its reply (the engine times requests out first)
+CLOSE_TIMEOUT_S = 10.0           # longest `close` waits for the executors to send the last answers
+INACTIVE = "engine inactive (oxygen_engine lifecycle): activate it first"
 
 PARAMS = [
     Param("service_name", "oxygen/converse", "Conversation service (oxygen_interfaces/srv/Converse)."),
@@ -54,7 +65,7 @@ PARAMS = [
 
 class _DeferredResponse:
     """A service response sent once both the reply and the request's header are known, from whichever
-    thread provides the second (both are services-executor threads)."""
+    thread provides the second (services-executor threads, or the thread that closes the service)."""
 
     def __init__(self, send):
         self._send = send
@@ -99,7 +110,8 @@ class ConversationService(Node):
 
         self.engine = engine
         self.robot = robot
-        self.active = True                  # False while the engine node is inactive: requests are refused
+        self.refusal = ""                   # non-empty: why requests are refused now (engine node inactive...)
+        self.stopping = ""                  # non-empty: the node is going away (close); goals are rejected
         self.p, problems = declare_all(self, PARAMS)
         if problems:
             raise ParameterError("\n".join(problems))
@@ -110,13 +122,21 @@ class ConversationService(Node):
         self._streams: dict = {}            # goal id -> engine handle (for cancel)
         self._stream_slots = 0              # accepted goals not finished yet
         self._streams_lock = threading.Lock()
+        # Calls taken whose response has not been sent; `close` waits for none to be left.
+        self._unsent = 0
+        self._idle = threading.Condition()
+        self._send_lock = threading.Lock()      # a send and the service's destruction never overlap
+        self._destroyed = False
+        self.lost = 0                           # answers that could not be sent (closing timed out)
 
         qos = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=self.p["request_queue_depth"],
                          reliability=ReliabilityPolicy.RELIABLE)
         self.service = _DeferredService(self.create_service(Converse, self.p["service_name"], self._on_request,
                                                             qos_profile=qos,
                                                             callback_group=MutuallyExclusiveCallbackGroup()))
-        self._replies: queue.SimpleQueue = queue.SimpleQueue()     # (deferred, session, question, reply)
+        self._sender = self.service.send
+        self.service.send = self._send
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()     # (deferred, request, reply, refusal)
         self._reply_ready = self.create_guard_condition(self._send_replies,
                                                         callback_group=MutuallyExclusiveCallbackGroup())
 
@@ -149,10 +169,18 @@ class ConversationService(Node):
             stop=tuple(s for s in r.stop if s), timeout_s=float(r.timeout_s) or self.p["default_timeout_s"],
             session_id=r.session_id, owner=self.robot)
 
+    @property
+    def active(self) -> bool:
+        return not self.refusal
+
+    @active.setter
+    def active(self, active: bool) -> None:
+        self.refusal = "" if active else INACTIVE
+
     def _submit(self, r):
         self.counts["requests"] += 1
-        if not self.active:
-            return refused(TextRequest(r.text), "engine inactive (oxygen_engine lifecycle): activate it first")
+        if self.refusal:
+            return refused(TextRequest(r.text), self.refusal)
         try:
             request = self._text_request(r)
         except ValueError as e:  # an empty or invalid question, top_p out of range, a too long session id...
@@ -169,20 +197,26 @@ class ConversationService(Node):
             question = validate_text(r.text, what="question", max_chars=self.engine.info.max_question_chars)
             self.sessions.record(r.session_id, question, reply.text)
 
-    def _fill(self, target, reply: Reply):
-        target.success, target.reply, target.error = reply.success, reply.text, reply.error
+    def _fill(self, target, reply: Reply, refusal: str = ""):
+        """refusal: why requests were refused when `reply` ended ("engine stopped" alone does not say why)."""
+        error = reply.error
+        if not reply.success and refusal and not error.startswith(refusal):
+            error = f"{refusal} (request ended: {error})"
+        target.success, target.reply, target.error = reply.success, reply.text, error
         target.tokens = len(reply.tokens)
         target.frame_index = max(reply.frame_index, 0)
         target.frame_stamp = ros_time(reply.frame_stamp)
         target.queue_s, target.latency_s, target.finish_reason = reply.queue_s, reply.latency_s, reply.finish_reason
         self.counts["answered" if reply.success else "failed"] += 1
         if not reply.success:
-            self.get_logger().warning(f"conversation request failed ({reply.finish_reason}): {reply.error}",
+            self.get_logger().warning(f"conversation request failed ({reply.finish_reason}): {error}",
                                       throttle_duration_sec=1.0)
         return target
 
     # ------------------------------------------------------------------ service
     def _on_request(self, request, response):
+        with self._idle:
+            self._unsent += 1
         deferred = _DeferredResponse(self.service.send)
         handle = self._submit(request)
         handle.add_done_callback(lambda reply: self._queue_reply(deferred, request, reply))
@@ -190,23 +224,103 @@ class ConversationService(Node):
 
     def _queue_reply(self, deferred: _DeferredResponse, request, reply: Reply) -> None:
         """Engine thread (a done-callback): hand the reply to the services executor, nothing more."""
-        self._replies.put((deferred, request, reply))
+        self._replies.put((deferred, request, reply, self.refusal))
         self._reply_ready.trigger()
 
     def _send_replies(self) -> None:
         """Services executor: build, log, record and send every reply the engine finished."""
         while True:
             try:
-                deferred, request, reply = self._replies.get_nowait()
+                deferred, request, reply, refusal = self._replies.get_nowait()
             except queue.Empty:
                 return
             self._record(request, reply)
-            deferred.complete(self._fill(self._Converse.Response(), reply))
+            deferred.complete(self._fill(self._Converse.Response(), reply, refusal))
+
+    def _send(self, response, header) -> None:
+        """Every service response goes out here (from a _DeferredResponse): never on a destroyed service."""
+        try:
+            with self._send_lock:
+                if self._destroyed:
+                    self.lost += 1
+                    self.get_logger().error("a reply came after the service was destroyed: not sent")
+                else:
+                    self._sender(response, header)
+        except RCLError as e:         # the client went away
+            self.get_logger().warning(f"reply not sent: {e}", throttle_duration_sec=1.0)
+        finally:
+            with self._idle:
+                self._unsent -= 1
+                self._idle.notify_all()
+
+    # ------------------------------------------------------------------ going away
+    def close(self, reason: str, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Before the node is destroyed, while the executors still spin (the engine already stopped, so
+        every engine request has its reply): new calls refused with `reason`, goals rejected; wait until
+        every call taken has its response sent and every accepted goal its result. Then the results are
+        handed to the clients that asked for them (executor tasks, see _results_handed_out)."""
+        self.refusal = self.stopping = reason
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            # A send notifies; a goal ends inside rclpy (no notification): looked at every 20 ms.
+            while not (self._unsent == 0 and self._goals_done()) and time.monotonic() < deadline:
+                self._idle.wait(0.02)
+        self._results_handed_out(max(deadline - time.monotonic(), 0.1))
+        self._send_replies()           # what the executor could not send in time (all its threads busy)
+        if self._unsent or not self._goals_done():
+            self.get_logger().error(f"closing: {self._unsent} calls and {self._open_goals()} goals still "
+                                    f"unanswered after {timeout_s:g} s")
+
+    def _goals_done(self) -> bool:
+        return self._open_goals() == 0
+
+    def _open_goals(self) -> int:
+        # rclpy keeps a result future per accepted goal until it expires, done once the goal has its result
+        # (no public API says whether every goal has ended).
+        return sum(not f.done() for f in list(self.action_server._result_futures.values()))
+
+    def _results_handed_out(self, timeout_s: float) -> None:
+        """A finished goal's result is sent to the clients that asked for it by executor tasks, created when
+        the goal ends; a task created now runs after them (tasks are dispatched in creation order)."""
+        executor = self.executor
+        if executor is None:
+            return
+        ran = threading.Event()
+        executor.create_task(ran.set)
+        executor.wake()
+        ran.wait(timeout_s)
+
+    def destroy_node(self):
+        """Refuse the calls still waiting in the middleware (the node is off its executor by now), then
+        destroy: a later response is counted as lost instead of raising InvalidHandle."""
+        reason = self.stopping or "conversation service destroyed"
+        with self._send_lock:
+            self._destroyed = True
+            service = self.service.service
+            while True:
+                with service.handle:
+                    taken = service.handle.service_take_request(service.srv_type.Request)
+                if taken is None:
+                    break
+                request, header = taken
+                if request is None:
+                    break
+                self.counts["requests"] += 1
+                response = self._Converse.Response(success=False, error=reason, finish_reason="refused")
+                try:
+                    self._sender(response, header)
+                except RCLError:
+                    pass
+            return super().destroy_node()
 
     # ------------------------------------------------------------------ streaming action
     def _on_goal(self, goal) -> GoalResponse:
         """An early refusal only: the slot is taken when the goal executes. rclpy drops an accepted goal
-        without executing it when its response cannot be sent (client gone); a slot taken here leaked."""
+        without executing it when its response cannot be sent (client gone); a slot taken here leaked.
+        While the node goes away, goals are rejected (an accepted goal would need a result)."""
+        if self.stopping:
+            self.counts["streams_rejected"] += 1
+            return GoalResponse.REJECT
         with self._streams_lock:
             full = self._stream_slots >= self.p["max_streams"]
         return GoalResponse.REJECT if full and self._refuse_stream() else GoalResponse.ACCEPT
@@ -243,7 +357,7 @@ class ConversationService(Node):
                 self._streams.pop(key, None)
                 self._stream_slots -= 1
         self._record(goal_handle.request, reply)
-        result = self._fill(self._ConverseAction.Result(), reply)
+        result = self._fill(self._ConverseAction.Result(), reply, self.refusal)
         if reply.finish_reason == "cancelled" and goal_handle.is_cancel_requested:
             goal_handle.canceled()
         elif reply.success:

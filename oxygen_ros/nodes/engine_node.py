@@ -25,6 +25,7 @@ import torch
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import ParameterDescriptor, SetParametersResult
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from std_srvs.srv import Trigger
 
 from oxygen_ros.engine.config import EngineConfig, node_settings
 from oxygen_ros.engine.engine import Engine
@@ -62,12 +63,13 @@ PARAMS = ENGINE_PARAMS + [
                                    "cycle instead of on the engine thread (auto: on when the model runs on CUDA; "
                                    "on a CPU-only host the conversion competes with the model for the cores).",
           choices=("auto", "on", "off")),
-    Param("kv_budget_mb", 256.0, "Memory of the paged KV pool (MiB).", minimum=1.0),
+    Param("kv_budget_mb", 256.0, "Memory of the paged KV pool (MiB); at most what the device has free at "
+                                 "configure.", minimum=1.0),
     Param("block_size", 16, "Tokens per KV block.", minimum=1, maximum=1024),
     Param("action_horizon", 0, "Actions per chunk (0: the model's). Must match what the checkpoint was "
-                               "trained with.", minimum=0),
-    Param("denoise_steps", 0, "Flow-matching steps per chunk (0: the model's).", minimum=0),
-    Param("max_token_len", 0, "Longest prompt in tokens (0: the model's).", minimum=0),
+                               "trained with.", minimum=0, maximum=1000),
+    Param("denoise_steps", 0, "Flow-matching steps per chunk (0: the model's).", minimum=0, maximum=1000),
+    Param("max_token_len", 0, "Longest prompt in tokens (0: the model's).", minimum=0, maximum=8192),
     Param("prefix_language_attention", "", "Prefix mask: bidirectional (upstream openpi, the official "
                                            "checkpoints) or causal (OxyGen code). Empty: the model's.",
           choices=("",) + PREFIX_MODES),
@@ -83,7 +85,7 @@ PARAMS = ENGINE_PARAMS + [
     Param("rotate_180", [], "Camera slots turned 180° before resizing (e.g. LIBERO from a raw robosuite render)."),
     Param("control_period_s", 0.0, "Seconds between chunk rows: the rate the checkpoint was trained at "
                                    "(DROID 1/15, ALOHA 1/50). 0: one row per publish tick.", minimum=0.0),
-    Param("torch_threads", 0, "CPU threads for torch (0: torch's default).", minimum=0),
+    Param("torch_threads", 0, "CPU threads for torch (0: torch's default).", minimum=0, maximum=1024),
     Param("robots", [], "A fleet: the robots this engine serves (names), each configured by <name>.namespace "
                         "(default /<name>), <name>.robot_config, <name>.norm_stats, <name>.asset_id (see "
                         "docs/fleet.md). Empty: one robot, no namespace (/oxygen/...), configured by the "
@@ -95,9 +97,16 @@ class AttachedNodes(Protocol):
     """What the bringup builds around a configured engine (observation, actions, conversation...)."""
 
     def activate(self) -> None: ...
-    def deactivate(self) -> None: ...        # action output off at once, requests refused
-    def destroy(self) -> None: ...
+    def disable_output(self) -> None: ...             # action output off (an operator enables it again)
+    def deactivate(self, reason: str) -> None: ...   # action output off at once, new requests refused (reason)
+    def destroy(self, reason: str) -> None: ...      # every pending request answered (reason), then destroyed
     def diagnostics(self) -> list[DiagnosticStatus]: ...
+
+
+# Why requests are refused (and why pending ones ended) after each transition: the client reads this.
+DEACTIVATED = "engine inactive (oxygen_engine deactivated): activate it first"
+CLEANED_UP = "engine unconfigured (oxygen_engine cleaned up): configure and activate it first"
+SHUTTING_DOWN = "engine shutting down (oxygen_engine shutdown)"
 
 
 class EngineNode(LifecycleNode):
@@ -118,6 +127,27 @@ class EngineNode(LifecycleNode):
         self.failure = ""                          # why the last configure failed (empty: it did not)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self.create_timer(1.0, self._publish_diagnostics)
+        # The safe stop (max_consecutive_faults faulty frames in a row) is a latch with a reason: cleared by
+        # this deliberate call, not in passing by switching output on.
+        self.create_service(Trigger, "~/clear_safe_stop", self._on_clear_safe_stop)
+        self.clear_safe_stop_service = self.resolve_service_name("~/clear_safe_stop")
+
+    def _on_clear_safe_stop(self, request, response):
+        """Leave the engine's safe stop. Action output is switched off at the same time: the robot moves
+        again only when an operator enables it (/oxygen/enable), having seen why it stopped."""
+        engine = self.engine
+        if engine is None or not engine.faulted:
+            response.success = False
+            response.message = "no safe stop to clear" if engine is not None else "oxygen_engine is not configured"
+            return response
+        reason = engine.faulted
+        if self.attached is not None:
+            self.attached.disable_output()
+        engine.reset_fault()
+        response.success = True
+        response.message = f"safe stop cleared (it was: {reason}); action output is off: enable it to move again"
+        self.get_logger().warning(response.message)
+        return response
 
     def _on_set_parameters(self, params) -> SetParametersResult:
         if self.engine is None:
@@ -150,39 +180,42 @@ class EngineNode(LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._stop()
+        self._stop(DEACTIVATED)
         self.get_logger().info("inactive: actions off, requests refused, model kept loaded")
         return TransitionCallbackReturn.SUCCESS
 
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._release()
+        self._release(CLEANED_UP)
         self.get_logger().info("unconfigured: model released")
         return TransitionCallbackReturn.SUCCESS
 
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._stop()
-        self._release()
+        self._stop(SHUTTING_DOWN)
+        self._release(SHUTTING_DOWN)
         return TransitionCallbackReturn.SUCCESS
 
     def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._stop()
-        self._release()
+        self._stop(CLEANED_UP)
+        self._release(CLEANED_UP)
         return TransitionCallbackReturn.SUCCESS     # back to unconfigured
 
-    def _stop(self) -> None:
-        """Actions first (no command after this returns), then requests, then the engine thread."""
+    def _stop(self, reason: str) -> None:
+        """Actions first (no command after this returns), then requests (refused from now on with `reason`;
+        the engine fails the unfinished ones), then the engine thread."""
         if self.attached is not None:
-            self.attached.deactivate()
+            self.attached.deactivate(reason)
         if self.engine is not None:
             self.engine.stop()
 
-    def _release(self) -> None:
-        if self.attached is not None:
-            self.attached.destroy()
-            self.attached = None
+    def _release(self, reason: str = CLEANED_UP) -> None:
+        """The engine stops first, so every request it holds has its reply; the nodes around it then send
+        every pending answer before they are destroyed."""
         if self.engine is not None:
             self.engine.stop()
-            self.engine = None
+        if self.attached is not None:
+            self.attached.destroy(reason)
+            self.attached = None
+        self.engine = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -236,6 +269,10 @@ class EngineNode(LifecycleNode):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         elif device == "cuda" and not torch.cuda.is_available():
             problems.append("device is cuda but torch sees no CUDA device")
+        free = free_memory(device) if device == "cpu" or torch.cuda.is_available() else None
+        if free is not None and p["kv_budget_mb"] * (1 << 20) > free:
+            problems.append(f"kv_budget_mb = {p['kv_budget_mb']:g}: more than the {device} memory free now "
+                            f"({human_bytes(free)}): the KV pool cannot be allocated")
         if p["torch_threads"]:
             torch.set_num_threads(p["torch_threads"])
         overrides = dict(action_horizon=p["action_horizon"] or None, num_denoise_steps=p["denoise_steps"] or None,
@@ -360,6 +397,20 @@ class EngineNode(LifecycleNode):
         elif s["chunks"] == 0:
             level, message = DiagnosticStatus.WARN, "no chunk for this robot yet"
         return status(status_name("engine", robot), level, message, dict(s, chunk_period_s=self.engine.robot_info(robot).chunk_period_s))
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes free for a new allocation on `device` now (CPU: the kernel's MemAvailable), None if unknown."""
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def status_name(what: str, robot: str = "") -> str:

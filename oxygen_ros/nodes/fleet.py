@@ -197,6 +197,43 @@ def read_fleet(names: list[str], values: dict[str, dict], files: ParamsFiles) ->
     return robots, problems
 
 
+# Each robot's outputs (node -> parameter -> what it is): two robots on one of them would mix commands, chunks,
+# captions, pictures or answers of two robots, so a fleet sharing any is refused.
+OUTPUTS = {
+    "oxygen_action": {"action_topic": "publish their commands", "chunk_topic": "publish their chunks"},
+    "oxygen_conversation": {"service_name": "serve their conversation service",
+                            "action_name": "serve their streaming conversation action",
+                            "memory_topic": "publish their captions"},
+    "oxygen_view": {"debug_topic": "publish their debug pictures", "marker_topic": "publish their chunk markers"},
+}
+
+
+def resolve_name(name: str, namespace: str, node: str) -> str:
+    """A topic or service name as ROS resolves it in a node (without remapping): absolute as given, `~/x`
+    under the node's name, anything else under its namespace."""
+    if name.startswith("/"):
+        return name
+    if name.startswith("~"):
+        return f"{namespace.rstrip('/')}/{node}/{name[1:].lstrip('/')}"
+    return f"{namespace.rstrip('/')}/{name}"
+
+
+def shared_outputs(robots: list[FleetRobot], files: ParamsFiles, defaults: dict[str, dict]) -> list[str]:
+    """Every output name two robots share, one line each. `defaults`: node -> its parameters' defaults (the
+    nodes' own declarations). Read from the parameters, so it is said even when a node could not be built."""
+    problems, owners = [], {}
+    for robot in robots:
+        for node, outputs in OUTPUTS.items():
+            values = dict(defaults.get(node, {}), **robot.parameters(node, files))
+            for key, what in outputs.items():
+                name = resolve_name(str(values[key]), robot.namespace, node)
+                other = owners.setdefault((what, name), robot.name)
+                if other != robot.name:
+                    problems.append(f"{other} and {robot.name} both {what} ({key}) on {name}: give each robot its "
+                                    f"own (/<namespace>/{node})")
+    return problems
+
+
 def _stray_settings(names: list[str], namespaces: dict[str, str], files: ParamsFiles) -> list[str]:
     """Settings that would silently configure nothing: <robot>.<key> for a robot not in `robots`, robot
     I/O set on the engine itself (with a fleet it is each robot's), a robot node's section without a

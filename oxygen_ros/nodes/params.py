@@ -3,6 +3,9 @@
 Problems are collected, not raised one by one, so a node that refuses to start lists every bad
 parameter in one message. Parameters are read-only by default: a node that reads its values once, at
 start, would report success for a change at run time and change nothing; rclpy refuses it with a reason.
+Bounds go into the descriptor (`ros2 param describe` shows them: FloatingPointRange / IntegerRange, the
+choices in additional_constraints), and rclpy enforces them on a later `ros2 param set`. A value given at
+start outside them is still reported here with the others (rclpy would refuse the declaration alone).
 """
 from __future__ import annotations
 
@@ -10,7 +13,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from rcl_interfaces.msg import ParameterDescriptor
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
+from rclpy.exceptions import InvalidParameterValueException
+
+INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 class ParameterError(ValueError):
@@ -32,14 +38,34 @@ def declare_all(node, specs: list[Param], read_only: bool = True) -> tuple[dict[
     range, one line each. The node adds its own consistency checks and raises ParameterError once.
     read_only=False only for a node that reads its parameters again (a lifecycle node's configure)."""
     for p in specs:
-        desc = p.description
-        if p.choices:
-            desc += f" One of: {', '.join(map(str, p.choices))}."
-        # Empty-list defaults cannot carry their element type in rclpy: accept any type, check below.
-        dynamic = isinstance(p.default, list) and not p.default
-        node.declare_parameter(p.name, p.default,
-                               ParameterDescriptor(description=desc, dynamic_typing=dynamic, read_only=read_only))
+        try:
+            node.declare_parameter(p.name, p.default, descriptor(p, read_only))
+        except InvalidParameterValueException:     # given outside its range: listed by read_all
+            node.declare_parameter(p.name, p.default, descriptor(p, read_only, ranged=False))
     return read_all(node, specs)
+
+
+def descriptor(p: Param, read_only: bool = True, ranged: bool = True) -> ParameterDescriptor:
+    """The ROS descriptor of `p`: description, choices and bounds as `ros2 param describe` shows them."""
+    desc = p.description
+    if p.choices:
+        desc += f" One of: {', '.join(map(str, p.choices))}."
+    # Empty-list defaults cannot carry their element type in rclpy: accept any type, check in read_all.
+    dynamic = isinstance(p.default, list) and not p.default
+    d = ParameterDescriptor(description=desc, dynamic_typing=dynamic, read_only=read_only)
+    constraints = [f"one of: {', '.join(map(repr, p.choices))}"] if p.choices else []
+    if p.minimum is not None or p.maximum is not None:
+        constraints.append(" and ".join(f"{op} {bound:g}" for op, bound in ((">=", p.minimum), ("<=", p.maximum))
+                                        if bound is not None) + (", finite" if type(p.default) is float else ""))
+        if ranged and type(p.default) is float:
+            d.floating_point_range = [FloatingPointRange(
+                from_value=float(p.minimum if p.minimum is not None else -math.inf),
+                to_value=float(p.maximum if p.maximum is not None else math.inf), step=0.0)]
+        elif ranged and type(p.default) is int:
+            d.integer_range = [IntegerRange(from_value=int(p.minimum if p.minimum is not None else INT64[0]),
+                                            to_value=int(p.maximum if p.maximum is not None else INT64[1]), step=1)]
+    d.additional_constraints = "; ".join(constraints)
+    return d
 
 
 def read_all(node, specs: list[Param]) -> tuple[dict[str, Any], list[str]]:
@@ -56,13 +82,13 @@ def read_all(node, specs: list[Param]) -> tuple[dict[str, Any], list[str]]:
             if kind is float:
                 value = [float(v) for v in value]
         values[p.name] = value
-        problem = _problem(p, value)
-        if problem:
-            problems.append(f"{node.get_name()}.{p.name} = {value!r}: {problem}")
+        wrong = problem(p, value)
+        if wrong:
+            problems.append(f"{node.get_name()}.{p.name} = {value!r}: {wrong}")
     return values, problems
 
 
-def _problem(p: Param, value: Any) -> str | None:
+def problem(p: Param, value: Any) -> str | None:
     """What is wrong with `value` for `p`, or None. NaN compares false with everything, so it is refused
     before any range check (`hold_timeout_s: .nan` would otherwise mean 'hold forever')."""
     if isinstance(value, float) and not math.isfinite(value):

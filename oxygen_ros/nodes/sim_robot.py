@@ -20,6 +20,7 @@ advanced in wall time (monotonic clock) whenever a callback runs (ReachEpisodes.
 from __future__ import annotations
 
 import array
+import collections
 import time
 
 import numpy as np
@@ -111,6 +112,9 @@ class SimRobotNode(Node):
         self.last_command_time: float | None = None
         self.images_published = 0
         self.states_published = 0
+        # What each published camera image showed (stamp ns, layout, gripper tip), for judging a reply
+        # against the frame it was computed from (DemoClient); 40 s at 15 Hz.
+        self._shown: collections.deque = collections.deque(maxlen=600)
 
         self._image_pubs = {c: self.create_publisher(Image, topics[c], qos_profile_sensor_data) for c in cameras}
         self._state_pub = self.create_publisher(JointState, state_topic, qos_profile_sensor_data)
@@ -179,6 +183,16 @@ class SimRobotNode(Node):
         for camera, pub in self._image_pubs.items():
             pub.publish(rgb_to_image_msg(self.world.render(camera), stamp, camera))
         self.images_published += 1
+        self._shown.append((stamp.sec * 1_000_000_000 + stamp.nanosec, self.world.layout, self.world.scene.tip()))
+
+    def scene_shown(self, stamp_ns: int, slop_ns: int = 50_000_000):
+        """(layout, tip) of the camera image nearest `stamp_ns` (an observation pairs its state with the
+        nearest image within its slop), or None when no image is that close."""
+        shown = list(self._shown)
+        if not shown:
+            return None
+        stamp, layout, tip = min(shown, key=lambda s: abs(s[0] - stamp_ns))
+        return (layout, tip) if abs(stamp - stamp_ns) <= slop_ns else None
 
     def destroy_node(self):
         if hasattr(self, "world"):

@@ -23,7 +23,9 @@ def type_name(msg_type) -> str:
 
 
 def resolve(name: str):
-    """'pkg/ns/Name' (or 'pkg/Name' for a msg) -> the generated Python class."""
+    """'pkg/ns/Name' (or 'pkg/Name' for a msg) -> the generated Python class. It imports the package the
+    name says: only for names of installed types this package chose (the nested types of a definition),
+    never for a name read from a file (replay maps its topics to fixed types instead)."""
     parts = name.split("/")
     package, namespace, cls = (parts[0], "msg", parts[1]) if len(parts) == 2 else parts
     module = importlib.import_module(f"{package}.{namespace}")

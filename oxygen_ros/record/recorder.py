@@ -8,14 +8,20 @@ What it stores:
   from DDS, raw (the serialised bytes as published): the commands, captions, task prompt, /diagnostics,
   the conversation service's requests and replies (service introspection events, as `ros2 bag record
   --all-services` stores them) and the streaming action's feedback and status.
-Engine-thread callbacks only enqueue; PNG encoding and writing run on the recorder's own thread. A full
-queue drops (and counts) rather than ever blocking the engine.
+Engine-thread callbacks only enqueue; PNG encoding and writing run on the recorder's own thread. The
+queue is bounded in bytes (`queue_mb`; a frame counts its raw images): when the disk stalls, memory grows
+by at most that much, then new messages are dropped and counted, and the engine is never blocked. (It was
+bounded in messages: 2,000 frames of three 1280x720 cameras would have been 16 GB.) The file is flushed
+every `flush_period_s`, so a crash of the process loses at most that much of what was written, plus what
+was still queued. Write errors (a full disk) are survived: see bag.py. `close` never raises: what went
+wrong is logged, and the summary line ("recording closed: ... dropped") is always written.
 """
 from __future__ import annotations
 
+import collections
 import json
-import queue
 import threading
+import time
 
 import cv2
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
@@ -35,11 +41,55 @@ PARAMS = [
     Param("path", "", "Directory the recording goes to (MCAP files). Empty: no recording."),
     Param("max_file_mb", 512.0, "A new file starts when the current one reaches this size (MB).", minimum=0.1),
     Param("max_files", 20, "Files kept; the oldest is deleted beyond this (bounds the disk used).", minimum=1),
-    Param("queue_size", 2000, "Messages waiting to be written; beyond it new ones are dropped and counted.",
-          minimum=10),
+    Param("queue_mb", 256.0, "Memory the messages waiting to be written may take (MiB; a frame counts its raw "
+                             "camera images); beyond it new ones are dropped and counted.", minimum=1.0, maximum=65536.0),
+    Param("flush_period_s", 2.0, "Seconds between flushes to the file: the most a crash of the process loses of "
+                                 "what was written (compression works per flushed chunk).", minimum=0.1, maximum=60.0),
 ]
 OBSERVATION = "/oxygen/observation"
 PNG_FORMAT = "rgb8; png compressed bgr8"
+
+
+class ByteQueue:
+    """A FIFO bounded in bytes; `put` never blocks (False: it would pass the bound, the item is not taken)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: collections.deque = collections.deque()
+        self._ready = threading.Condition()
+
+    def put(self, item, size: int) -> bool:
+        with self._ready:
+            if self.bytes + size > self.max_bytes:
+                return False
+            self._items.append((item, size))
+            self.bytes += size
+            self._ready.notify()
+            return True
+
+    def get(self, timeout: float):
+        """The oldest item, or None after `timeout` seconds without one."""
+        with self._ready:
+            if not self._items and not self._ready.wait_for(lambda: self._items, timeout):
+                return None
+            item, size = self._items.popleft()
+            self.bytes -= size
+            return item
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def item_bytes(item) -> int:
+    """What a queued item keeps in memory (its payload; a frame: its raw images and state)."""
+    kind = item[0]
+    if kind == "raw":
+        return len(item[3])
+    if kind == "chunk":
+        return item[1].plan.actions.nbytes
+    obs = item[2]
+    return sum(image.nbytes for image in obs.images.values() if image is not None) + obs.state.nbytes
 
 
 class Recorder(Node):
@@ -50,16 +100,18 @@ class Recorder(Node):
             raise ParameterError("\n".join(problems))
         self.enabled = bool(self.p["path"])
         self.bag: RotatingBag | None = None
-        self.dropped = 0
+        self.queue_full = 0                 # dropped: the queue held queue_mb
+        self.failed = 0                     # dropped: could not be converted (a bug's, not the disk's)
         if not self.enabled:
             return
         self.joint_names = list(joint_names)
         self._prompt = None
-        self._queue: queue.Queue = queue.Queue(maxsize=self.p["queue_size"])
+        self._queue = ByteQueue(int(self.p["queue_mb"] * (1 << 20)))
+        self._closed = False
         try:
             self.bag = RotatingBag(self.p["path"], int(self.p["max_file_mb"] * 1e6), self.p["max_files"],
                                    {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()},
-                                   on_new_file=self._rewrite_latched)
+                                   on_new_file=self._rewrite_latched, log=self._log_bag)
         except OSError as e:
             raise ParameterError(f"oxygen_recorder.path {self.p['path']!r}: cannot record there: {e}") from None
         qos = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
@@ -72,27 +124,39 @@ class Recorder(Node):
         self._thread = threading.Thread(target=self._run, name="oxygen-recorder", daemon=True)
         self._thread.start()
         self.get_logger().info(f"recording to {self.p['path']} (files of {self.p['max_file_mb']:g} MB, "
-                               f"at most {self.p['max_files']})")
+                               f"at most {self.p['max_files']}; flushed every {self.p['flush_period_s']:g} s)")
+
+    @property
+    def dropped(self) -> int:
+        """Messages that are in no file: the queue was full, a write failed, or conversion failed."""
+        return self.queue_full + self.failed + (self.bag.dropped if self.bag else 0)
+
+    def _log_bag(self, is_error: bool, line: str) -> None:
+        if is_error:
+            self.get_logger().error(line, throttle_duration_sec=5.0)
+        else:
+            self.get_logger().warning(line)
 
     # any thread: never blocks
     def _put(self, item) -> None:
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            self.dropped += 1
+        if not self._queue.put(item, item_bytes(item)):
+            self.queue_full += 1
 
     # ------------------------------------------------------------------ writer thread
     def _run(self) -> None:
-        while not (self._stop.is_set() and self._queue.empty()):
-            try:
-                item = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            try:
-                self._write(item)
-            except Exception as e:  # noqa: BLE001 - a write failure (disk full...) must not end the recording
-                self.dropped += 1
-                self.get_logger().error(f"recording: {type(e).__name__}: {e}", throttle_duration_sec=5.0)
+        period = self.p["flush_period_s"]
+        next_flush = time.monotonic() + period
+        while not (self._stop.is_set() and not len(self._queue)):
+            item = self._queue.get(timeout=max(min(0.1, next_flush - time.monotonic()), 0.0))
+            if item is not None:
+                try:
+                    self._write(item)
+                except Exception as e:  # noqa: BLE001 - a message that cannot be converted must not end the recording
+                    self.failed += 1
+                    self.get_logger().error(f"recording: {type(e).__name__}: {e}", throttle_duration_sec=5.0)
+            if time.monotonic() >= next_flush:
+                self.bag.flush()
+                next_flush = time.monotonic() + period
 
     def _write(self, item) -> None:
         kind = item[0]
@@ -131,24 +195,38 @@ class Recorder(Node):
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Write what is queued, then finish the file (its index makes it readable)."""
-        if self.bag is None:
+        """Write what is queued, then finish the file (its summary makes it seekable). Never raises (it runs
+        inside the engine node's cleanup and shutdown): a failure is logged, and the summary always comes."""
+        bag = self.bag
+        if bag is None or self._closed:
             return
+        self._closed = True
         self._stop.set()
         self._thread.join(timeout=30.0)
-        self.bag.close()
-        self.get_logger().info(f"recording closed: {self.bag.messages} messages in {len(self.bag.files)} "
-                               f"file(s), {self.dropped} dropped")
-        self.bag = None
+        if self._thread.is_alive():
+            self.get_logger().error(f"recording: the writer thread is still busy after 30 s; "
+                                    f"{len(self._queue)} queued messages not written")
+        try:
+            bag.close()
+        except Exception as e:  # noqa: BLE001
+            self.get_logger().error(f"recording: closing failed, the last file is kept as of its last flush "
+                                    f"(replay reads it): {type(e).__name__}: {e}")
+        self.get_logger().info(
+            f"recording closed: {bag.messages} messages in {len(bag.files)} file(s), {self.dropped} dropped "
+            f"({self.queue_full} queue full, {bag.dropped} write errors, {self.failed} not convertible)")
 
     def diagnostics(self) -> list[DiagnosticStatus]:
         if not self.enabled:
             return []
         bag = self.bag
         level = DiagnosticStatus.WARN if self.dropped else DiagnosticStatus.OK
-        values = dict(path=self.p["path"], files=len(bag.files) if bag else 0, messages=bag.messages if bag else 0,
-                      dropped=self.dropped, queued=self._queue.qsize())
-        return [status("oxygen_ros: recorder", level, "recording" if bag else "closed", values)]
+        message = "closed" if self._closed else "recording"
+        if bag.failing:
+            level, message = DiagnosticStatus.ERROR, f"not recording: {bag.last_error} (trying a new file)"
+        values = dict(path=self.p["path"], files=len(bag.files), messages=bag.messages, dropped=self.dropped,
+                      queue_full=self.queue_full, write_errors=bag.write_errors, last_error=bag.last_error,
+                      queued=len(self._queue), queued_mb=self._queue.bytes / (1 << 20))
+        return [status("oxygen_ros: recorder", level, message, values)]
 
 
 def raw_topics(action, conversation, observation) -> dict:

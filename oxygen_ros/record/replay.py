@@ -1,7 +1,7 @@
 """Replay a recording through the engine and check that it computes the same thing: a regression tool
 for anyone changing the model or the engine.
 
-    python -m oxygen_ros.record.replay DIR_OR_FILES... [--json report.json]
+    oxygen_replay DIR_OR_FILES... [--json report.json]        (or python -m oxygen_ros.record.replay ...)
 
 The engine is built from the recorded parameters (the metadata of the MCAP files: model, checkpoint,
 seed...) exactly as the engine node builds it. Each recorded frame's observation (lossless PNG images,
@@ -9,31 +9,51 @@ state, task prompt) goes through the engine with that frame's noise (a function 
 the frame index, Engine.frame_noise), and the chunk must equal the recorded one bit for bit (float64
 robot actions). Every recorded greedy reply is asked again on the frame it was answered from and must
 match token count and text exactly, captions likewise. Same machine and dtype: identical; another
-machine or dtype: the report shows how far apart. Exit code 0 when all identical, 1 otherwise.
+machine or dtype: the report shows how far apart. Exit code 0 when all identical, 1 otherwise, 2 when the
+recording cannot be replayed (one line says why).
 
 Replies come from the conversation service's and the streaming action's introspection events.
 Not replayed: sampled replies (temperature > 0: the service's per-request seed is not recorded),
 replies that were cancelled, timed out or refused (they depend on timing).
+
+A recording is data from elsewhere, read as such (record/reader.py): each topic replay uses has a fixed
+message type here and a file whose schema says otherwise is refused (the schema name used to decide which
+module was imported); a file cut short (the recording process was killed) is read up to its last whole
+record; a file that does not parse is skipped with a line saying why, the others are replayed; wrong
+shapes, undecodable or oversized images and parameters the engine node refuses (a pool larger than the
+memory) end the replay with one line. Run with `python -m` from a directory you do not trust, Python
+puts that directory first on the import path: this module drops it before importing anything else, but
+the `oxygen_replay` command (or `python -P -m`) never adds it.
 """
-from __future__ import annotations
-
-import argparse
-import json
+import os
 import sys
-from dataclasses import dataclass, field
-from pathlib import Path
 
-import numpy as np
-from mcap.reader import make_reader
-from rclpy.serialization import deserialize_message
+if __name__ == "__main__":
+    # `python -m` put the working directory first on sys.path: a numpy.py shipped next to the recording
+    # would run on the next import. Only the standard library's built-ins are imported above.
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())]
 
-from oxygen_ros.progress import LongTask
+import argparse  # noqa: E402
+import json  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-from .bag import METADATA
-from .msgdef import resolve
-from .recorder import OBSERVATION
+import numpy as np  # noqa: E402
+from rclpy.serialization import deserialize_message  # noqa: E402
+
+from oxygen_ros.progress import LongTask  # noqa: E402
+
+from .bag import METADATA  # noqa: E402
+from .msgdef import type_name  # noqa: E402
+from .reader import McapFileError, read_file  # noqa: E402
+from .recorder import OBSERVATION  # noqa: E402
 
 COMPARABLE = ("eos", "length", "stop")        # finish reasons that do not depend on timing
+METADATA_KEYS = ("engine_params", "conversation_params", "camera_slots")
+
+
+class RecordingError(ValueError):
+    """The recording cannot be replayed: one line saying why."""
 
 
 @dataclass
@@ -54,6 +74,37 @@ class Recording:
     frames: list[Frame]
     skipped: dict
     streamed: int = 0                          # of the replies, how many were streaming goals
+    files: dict = field(default_factory=dict)   # file name -> "read", "unfinished: ..." or "skipped: ..."
+
+
+def message_type(topic: str):
+    """The type replay reads `topic` as (the recorder's topics), or None: not needed for replay. Fixed here:
+    nothing a file says decides which code runs."""
+    from oxygen_interfaces.action import Converse as ConverseAction
+    from oxygen_interfaces.msg import ActionChunk, Caption
+    from oxygen_interfaces.srv import Converse
+    from sensor_msgs.msg import CompressedImage, JointState
+    from std_msgs.msg import String
+
+    if topic == f"{OBSERVATION}/state":
+        return JointState
+    if topic == f"{OBSERVATION}/prompt":
+        return String
+    if topic.startswith(f"{OBSERVATION}/") and topic.endswith("/compressed"):
+        return CompressedImage
+    if topic == "/oxygen/action_chunk":
+        return ActionChunk
+    if topic == "/oxygen/memory":
+        return Caption
+    if topic.endswith("/_action/send_goal/_service_event"):
+        return ConverseAction.Impl.SendGoalService.Event
+    if topic.endswith("/_action/get_result/_service_event"):
+        return ConverseAction.Impl.GetResultService.Event
+    if topic.endswith("/_action/cancel_goal/_service_event"):
+        return None
+    if topic.endswith("/_service_event"):
+        return Converse.Event
+    return None
 
 
 def _stamp_ns(header) -> int:
@@ -63,13 +114,67 @@ def _stamp_ns(header) -> int:
 def _files(paths: list[str]) -> list[Path]:
     files = []
     for p in map(Path, paths):
-        files += sorted(p.glob("*.mcap")) if p.is_dir() else [p]
+        if p.is_dir():
+            files += sorted(p.glob("*.mcap"), key=_file_order)
+        elif p.exists():
+            files.append(p)
+        else:
+            raise RecordingError(f"{p}: no such file or directory")
     if not files:
-        raise FileNotFoundError(f"no .mcap file in {', '.join(paths)}")
+        raise RecordingError(f"no .mcap file in {', '.join(paths)}")
     return files
 
 
-def read_recording(paths: list[str]) -> Recording:
+def _file_order(path: Path):
+    """oxygen_<start>_<n>.mcap in the order written (n numerically: _10 after _9)."""
+    stem, _, n = path.stem.rpartition("_")
+    return (stem, int(n)) if n.isdigit() else (path.stem, -1)
+
+
+def _decoded(path: Path, contents) -> list[tuple[str, np.ndarray | None, object]]:
+    """(topic, chunk actions or None, message) of the topics replay reads, each as its fixed type.
+    RecordingError when a schema is not that type's, a message does not decode as it, or a chunk's
+    shape does not match its values."""
+    decoded = []
+    for topic, schema, data in contents.messages:
+        cls = message_type(topic)
+        if cls is None:
+            continue
+        if schema != type_name(cls):
+            raise RecordingError(f"{path}: topic {topic} has schema {schema!r}, the recorder writes "
+                                 f"{type_name(cls)!r}: not an oxygen_ros recording's file")
+        try:
+            msg = deserialize_message(data, cls)
+        except Exception as e:  # noqa: BLE001 - whatever the CDR decoder raises on bad bytes: one line
+            raise RecordingError(f"{path}: a {topic} message does not decode as {type_name(cls)}: "
+                                 f"{type(e).__name__}: {e}") from None
+        decoded.append((topic, _actions(path, msg) if topic == "/oxygen/action_chunk" else None, msg))
+    return decoded
+
+
+def _actions(path: Path, msg) -> np.ndarray:
+    if msg.horizon * msg.dim != len(msg.actions) or msg.horizon == 0:
+        raise RecordingError(f"{path}: /oxygen/action_chunk of frame {msg.frame_index} has {len(msg.actions)} "
+                             f"values for horizon {msg.horizon} x dim {msg.dim}")
+    return np.array(msg.actions, dtype=np.float64).reshape(msg.horizon, msg.dim)
+
+
+def _metadata(path: Path, record: dict[str, str]) -> dict:
+    try:
+        metadata = {k: json.loads(v) for k, v in record.items()}
+    except ValueError as e:
+        raise RecordingError(f"{path}: metadata '{METADATA}' is not JSON: {e}") from None
+    missing = [k for k in METADATA_KEYS if k not in metadata]
+    if missing or not isinstance(metadata["engine_params"], dict) or not isinstance(
+            metadata["conversation_params"], dict) or not isinstance(metadata["camera_slots"], list):
+        raise RecordingError(f"{path}: metadata '{METADATA}' lacks or mistypes {', '.join(missing or METADATA_KEYS)}")
+    return metadata
+
+
+def read_recording(paths: list[str], say=print) -> Recording:
+    """Every readable file of `paths` (directories: their .mcap files in the order written). A file that
+    does not parse is skipped and said so; one that ends early (the recorder was killed) is read up to
+    its last whole record."""
     metadata: dict = {}
     chunks: dict[int, tuple[int, np.ndarray]] = {}
     states: dict[int, tuple[np.ndarray, str]] = {}
@@ -81,46 +186,51 @@ def read_recording(paths: list[str]) -> Recording:
     results: list[tuple[tuple, object]] = []
     captions: list = []
     prompt = ""
+    files: dict[str, str] = {}
     for path in _files(paths):
-        with open(path, "rb") as stream:
-            reader = make_reader(stream)
-            for record in reader.iter_metadata():
-                if record.name == METADATA and not metadata:
-                    metadata = {k: json.loads(v) for k, v in record.metadata.items()}
-            for schema, channel, message in reader.iter_messages(log_time_order=True):
-                topic = channel.topic
-                if not (topic.startswith(OBSERVATION) or topic.endswith("_service_event")
-                        or topic in ("/oxygen/action_chunk", "/oxygen/memory")):
-                    continue
-                msg = deserialize_message(message.data, resolve(schema.name))
-                if topic == f"{OBSERVATION}/prompt":
-                    prompt = msg.data
-                elif topic == f"{OBSERVATION}/state":
-                    states[_stamp_ns(msg.header)] = (np.array(msg.position, dtype=np.float64), prompt)
-                elif topic.startswith(OBSERVATION):
-                    images.setdefault(_stamp_ns(msg.header), {})[msg.header.frame_id] = msg
-                elif topic == "/oxygen/action_chunk":
-                    actions = np.array(msg.actions, dtype=np.float64).reshape(msg.horizon, msg.dim)
-                    chunks[msg.frame_index] = (_stamp_ns(msg.header), actions)
-                elif topic == "/oxygen/memory":
-                    captions.append(msg)
-                else:   # service event: request received / response sent, paired by client and sequence
-                    key = (bytes(msg.info.client_gid), msg.info.sequence_number)
-                    if topic.endswith("/_action/send_goal/_service_event"):
-                        if msg.request:
-                            goals[bytes(msg.request[0].goal_id.uuid)] = msg.request[0].goal
-                    elif topic.endswith("/_action/get_result/_service_event"):
-                        if msg.request:
-                            result_requests[key] = bytes(msg.request[0].goal_id.uuid)
-                        if msg.response:
-                            results.append((key, msg.response[0].result))
-                    elif topic.endswith("/_service_event"):
-                        if msg.request:
-                            requests[key] = msg.request[0]
-                        if msg.response:
-                            responses.append((key, msg.response[0]))
+        try:
+            contents = read_file(path)
+            decoded = _decoded(path, contents)
+            file_metadata = _metadata(path, contents.metadata[METADATA]) if METADATA in contents.metadata else None
+        except (McapFileError, RecordingError) as e:
+            files[path.name] = f"skipped: {e}"
+            say(f"oxygen_replay: skipped {e}")
+            continue
+        files[path.name] = f"unfinished: {contents.unfinished}" if contents.unfinished else "read"
+        if contents.unfinished:
+            say(f"oxygen_replay: {path} is unfinished (its recorder was stopped abruptly): {contents.unfinished}; "
+                f"read {len(contents.messages)} messages")
+        if file_metadata is not None and not metadata:
+            metadata = file_metadata
+        for topic, actions, msg in decoded:
+            if topic == f"{OBSERVATION}/prompt":
+                prompt = msg.data
+            elif topic == f"{OBSERVATION}/state":
+                states[_stamp_ns(msg.header)] = (np.array(msg.position, dtype=np.float64), prompt)
+            elif topic.startswith(OBSERVATION):
+                images.setdefault(_stamp_ns(msg.header), {})[msg.header.frame_id] = msg
+            elif topic == "/oxygen/action_chunk":
+                chunks[msg.frame_index] = (_stamp_ns(msg.header), actions)
+            elif topic == "/oxygen/memory":
+                captions.append(msg)
+            else:   # service event: request received / response sent, paired by client and sequence
+                key = (bytes(msg.info.client_gid), msg.info.sequence_number)
+                if topic.endswith("/_action/send_goal/_service_event"):
+                    if msg.request:
+                        goals[bytes(msg.request[0].goal_id.uuid)] = msg.request[0].goal
+                elif topic.endswith("/_action/get_result/_service_event"):
+                    if msg.request:
+                        result_requests[key] = bytes(msg.request[0].goal_id.uuid)
+                    if msg.response:
+                        results.append((key, msg.response[0].result))
+                else:
+                    if msg.request:
+                        requests[key] = msg.request[0]
+                    if msg.response:
+                        responses.append((key, msg.response[0]))
     if not metadata:
-        raise ValueError(f"{paths}: no '{METADATA}' metadata: not an oxygen_ros recording")
+        raise RecordingError(f"{', '.join(paths)}: no readable file with '{METADATA}' metadata: not an oxygen_ros "
+                             "recording" + "".join(f"; {name} {how}" for name, how in files.items() if how != "read"))
     # Streaming goals are the same question and answer (their goal and result have the service's fields).
     replied_goals = set()
     for key, result in results:
@@ -130,7 +240,9 @@ def read_recording(paths: list[str]) -> Recording:
             requests[("goal", goal_id)] = goals.get(goal_id)
             responses.append((("goal", goal_id), result))
     frames, skipped = {}, {"no_observation": 0, "reply_not_comparable": 0, "reply_without_request": 0,
-                           "reply_frame_not_recorded": 0, "caption_frame_not_recorded": 0}
+                           "reply_frame_not_recorded": 0, "caption_frame_not_recorded": 0,
+                           "unreadable_files": sum(how.startswith("skipped") for how in files.values()),
+                           "unfinished_files": sum(how.startswith("unfinished") for how in files.values())}
     for index, (stamp, actions) in sorted(chunks.items()):
         if stamp not in states:
             skipped["no_observation"] += 1          # its observation was in a file rotated away
@@ -154,7 +266,7 @@ def read_recording(paths: list[str]) -> Recording:
             frames[caption.frame_index].captions.append(caption.text)
         else:
             skipped["caption_frame_not_recorded"] += 1
-    return Recording(metadata, [frames[i] for i in sorted(frames)], skipped, streamed)
+    return Recording(metadata, [frames[i] for i in sorted(frames)], skipped, streamed, files)
 
 
 def build_engine(engine_params: dict):
@@ -164,21 +276,43 @@ def build_engine(engine_params: dict):
     from rclpy.context import Context
     from rclpy.parameter import Parameter
 
-    from oxygen_ros.nodes.engine_node import EngineNode
+    from oxygen_ros.nodes.engine_node import PARAMS, EngineNode
 
     params = dict(engine_params, memory_every_frames=0, memory_period_s=0.0)
-    overrides = [Parameter(k, value=v) for k, v in params.items() if v != []]
+    known = {p.name for p in PARAMS}
+    try:      # the engine node's own parameters only, of types ROS can hold; the node checks their values
+        overrides = [Parameter(k, value=v) for k, v in params.items() if k in known and v != []]
+    except (TypeError, ValueError) as e:
+        raise RecordingError(f"recorded engine parameters: {e}") from None
     context = Context()
     rclpy.init(context=context, args=["oxygen_replay"])
     node = EngineNode(context=context, parameter_overrides=overrides)
     try:
         node.trigger_configure()
         if node.engine is None:
-            raise RuntimeError(f"cannot build the recorded engine: {node.failure}")
+            raise RecordingError("cannot build the recorded engine: " + "; ".join(node.failure.splitlines()))
         return node.engine
     finally:
         node.destroy_node()
         rclpy.shutdown(context=context)
+
+
+def _conversation_params(recorded: dict) -> dict:
+    """The recorded conversation settings replay uses, checked against the conversation node's bounds."""
+    from oxygen_ros.nodes.conversation_service import PARAMS
+    from oxygen_ros.nodes.params import problem
+
+    specs = {p.name: p for p in PARAMS}
+    values, problems = {}, []
+    for name in ("session_turns", "max_sessions", "default_max_tokens"):
+        value = recorded.get(name, specs[name].default)
+        wrong = f"must be an integer, got {type(value).__name__}" if type(value) is not int else problem(specs[name], value)
+        if wrong:
+            problems.append(f"conversation_params.{name} = {value!r:.50}: {wrong}")
+        values[name] = value
+    if problems:
+        raise RecordingError("recorded " + "; ".join(problems))
+    return values
 
 
 def replay(recording: Recording, engine=None, say=print) -> dict:
@@ -188,10 +322,12 @@ def replay(recording: Recording, engine=None, say=print) -> dict:
     from oxygen_ros.robot.sync import Observation
 
     meta = recording.metadata
-    engine = engine or build_engine(meta["engine_params"])
-    conv = meta["conversation_params"]
-    sessions = Sessions(conv["session_turns"], conv["max_sessions"], engine.info.max_question_chars)
+    conv = _conversation_params(meta["conversation_params"])
     slots = list(meta["camera_slots"])
+    if not all(isinstance(slot, str) for slot in slots):
+        raise RecordingError(f"recorded camera_slots {slots!r:.200}: a list of slot names")
+    engine = engine or build_engine(meta["engine_params"])
+    sessions = Sessions(conv["session_turns"], conv["max_sessions"], engine.info.max_question_chars)
     report = {"frames": len(recording.frames), "chunks_identical": 0, "chunks_different": [],
               "max_abs_action_diff": 0.0, "replies": 0, "replies_identical": 0, "replies_different": [],
               "streamed_replies": recording.streamed,
@@ -265,8 +401,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="+", help="recording directories or .mcap files")
     parser.add_argument("--json", help="write the full report here")
     args = parser.parse_args(argv)
-    recording = read_recording(args.paths)
-    report = replay(recording)
+    from oxygen_ros.robot.errors import InputError
+
+    try:
+        recording = read_recording(args.paths)
+        report = replay(recording)
+    except (RecordingError, McapFileError, InputError) as e:   # InputError: an image or state the engine refuses
+        print(f"oxygen_replay: cannot replay: {e}", file=sys.stderr, flush=True)
+        return 2
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     print(summary(report), flush=True)
