@@ -75,9 +75,9 @@ def _reference_cases():
 def test_guided_velocity_against_lerobot(key):
     """Each row of a batch equals LeRobot's RTCProcessor for that row alone (same inputs, same time
     convention: t from 1 = noise to 0). LeRobot 0.6.1 drops the velocity's Jacobian from its correction
-    (module docstring of rtc.py): for a velocity function independent of x_t ("const") ours equals its
-    result; for one that depends on x_t ("mlp") ours equals its result plus w t (dv/dx)^T e (`full`), and
-    differs from its result by that term."""
+    (module docstring of rtc.py): correction "error" equals its result; the paper's "vjp" equals its result
+    plus w t (dv/dx)^T e (`full`), the same for a velocity function independent of x_t ("const"), and
+    different by that term for one that depends on x_t ("mlp")."""
     kind, t, beta = key
     rows = _reference_cases()[key]
     guides = [rtc.row_guide(torch.tensor(REF["case_leftover"][i][:REF["case_leftover_rows"][i],
@@ -86,12 +86,14 @@ def test_guided_velocity_against_lerobot(key):
                             str(REF["case_schedule"][i])) for i in rows]
     batch = rtc.Guidance.stack(guides, beta)
     x = torch.tensor(REF["case_x"][rows])
-    ours = rtc.guided_velocity(_velocity(kind, t), x, t, batch.target, batch.weights, beta).numpy()
-    np.testing.assert_allclose(ours, REF["case_full"][rows], rtol=LEROBOT_RTOL, atol=LEROBOT_RTOL)
+    ours = {c: rtc.guided_velocity(_velocity(kind, t), x, t, batch.target, batch.weights, beta, c).numpy()
+            for c in rtc.CORRECTIONS}
+    np.testing.assert_allclose(ours["vjp"], REF["case_full"][rows], rtol=LEROBOT_RTOL, atol=LEROBOT_RTOL)
+    np.testing.assert_allclose(ours["error"], REF["case_lerobot"][rows], rtol=LEROBOT_RTOL, atol=LEROBOT_RTOL)
     if kind == "const":
-        np.testing.assert_allclose(ours, REF["case_lerobot"][rows], rtol=LEROBOT_RTOL, atol=LEROBOT_RTOL)
+        np.testing.assert_allclose(ours["vjp"], ours["error"], rtol=LEROBOT_RTOL, atol=LEROBOT_RTOL)
     elif any(w.active for w in guides):
-        assert np.abs(ours - REF["case_lerobot"][rows]).max() > 1e-2
+        assert np.abs(ours["vjp"] - ours["error"]).max() > 1e-2
 
 
 def test_guidance_weight():
@@ -194,6 +196,20 @@ def test_guidance_pulls_the_chunk_toward_the_previous_rows(setup):
     assert np.abs(guided[:3] - target[:3]).mean() < 0.3 * np.abs(plain[:3] - target[:3]).mean()
 
 
+def test_error_correction_needs_no_autograd(setup):
+    """LeRobot 0.6.1's correction runs under inference mode (no backward pass), to the same chunk."""
+    runner, frames, noise = setup
+    guide = _guide(5, delay=3, horizon_end=H)
+    chunks = {c: runner.actions(frames[:1], noise[:1], guides=[guide], correction=c)[0] for c in rtc.CORRECTIONS}
+    with torch.inference_mode():
+        attn = ActionAttention(runner.pool.kv, [frames[0].segment], H, "torch", runner.model.device)
+        again = runner.model.sample_actions(noise[:1], attn, guidance=rtc.Guidance.stack([guide], correction="error"))
+    assert np.array_equal(again[0].numpy(), chunks["error"])
+    assert np.abs(chunks["vjp"] - chunks["error"]).max() > 1e-3
+    with pytest.raises(ValueError, match="correction 'exact' is not one of vjp, error"):
+        rtc.Guidance.stack([guide], correction="exact")
+
+
 def test_guided_sampling_refuses_what_it_cannot_differentiate(setup):
     runner, frames, noise = setup
     guidance = rtc.Guidance.stack([_guide(1, 2)])
@@ -230,3 +246,86 @@ def test_unguided_rows_keep_the_fixed_shape_loop_and_guided_rows_run_torch():
     torch_runner, torch_frame = runners["torch"]
     (reference,) = torch_runner.actions(torch_frame, noise, guides=[_guide(1, 2)])
     assert np.abs(guided - reference).max() <= GUIDED_BATCH_ATOL
+
+
+# ------------------------------------------------------------------------------------ the delay evaluation
+class _RowPlanner:
+    """A stand-in for the model: the chunk observed at tick t holds 100 t + k in row k (every joint), so a
+    command tells which chunk and row it came from; it records what RTC would have been given."""
+
+    horizon, dim = 20, 3
+
+    def __init__(self):
+        self.calls = []
+
+    def plan(self, image, state, prompt, noise, tick, previous=None, delay=0, settings=None):
+        from oxygen_ros.eval import PlayedChunk
+        from oxygen_ros.robot.chunks import ActionChunkPlan
+        from oxygen_ros.sim.scene import CONTROL_PERIOD_S
+
+        self.calls.append((tick, None if previous is None else previous.tick, settings is not None))
+        rows = 100.0 * tick + np.repeat(np.arange(self.horizon, dtype=np.float64)[:, None], self.dim, axis=1)
+        return PlayedChunk(ActionChunkPlan(rows, tick * CONTROL_PERIOD_S, CONTROL_PERIOD_S, tick + 1),
+                           rows, np.zeros(self.dim), tick)
+
+
+@pytest.fixture(scope="module")
+def scene_and_layout():
+    from oxygen_ros.sim.scene import Layout, ReachScene
+
+    scene = ReachScene(64)
+    yield scene, Layout.random(np.random.default_rng([1000, 0]))
+    scene.close()
+
+
+@pytest.mark.parametrize("execution", ["naive", "rtc"])
+def test_a_chunk_observed_at_t_is_first_used_at_t_plus_d(scene_and_layout, execution):
+    """Simulation time: the chunk from the observation at tick t plays from tick t + d at its row d; until
+    then the robot keeps what it has (the start pose before the first chunk). RTC is given the chunk that
+    plays when the new one is observed."""
+    from oxygen_ros.eval import RtcSettings, run_delayed_episode
+
+    scene, layout = scene_and_layout
+    planner = _RowPlanner()
+    ep = run_delayed_episode(scene, layout, 0, planner, "touch", 0, steps=35, replan=10, delay=4,
+                             execution=execution, blend_steps=0, settings=RtcSettings())
+    assert not ep.success
+    assert (ep.commands[:4] == layout.start).all() and (ep.chunk_of_tick[:4] == -1).all()
+    for k in range(4, 35):
+        observed = (k - 4) // 10 * 10                        # the newest chunk that has arrived by tick k
+        assert ep.commands[k][0] == 100 * observed + (k - observed), k
+    assert ep.switches == [14, 24, 34]
+    assert planner.calls == [(0, None, execution == "rtc"), (10, 0, execution == "rtc"),
+                             (20, 10, execution == "rtc"), (30, 20, execution == "rtc")]
+
+
+def test_jerk_windows_boundary_and_within():
+    """Third differences of commanded positions: a window mixing two chunks (or a blend) is a boundary
+    window, one chunk unblended a within window, any window with the held start pose neither."""
+    from oxygen_ros.eval import DelayedEpisode, command_windows, execution_summary
+
+    q = np.concatenate([np.zeros(3), 0.1 * np.arange(5), 0.1 * np.arange(5, 10) + 0.3])[:, None]
+    src = np.array([-1] * 3 + [1] * 5 + [2] * 5)
+    ep = DelayedEpisode(False, len(q), q, src, np.zeros(len(q), bool), [8])
+    jerk, boundary, within = command_windows(ep)
+    ticks = np.arange(3, len(q))
+    assert ticks[boundary].tolist() == [8, 9, 10] and ticks[within].tolist() == [6, 7, 11, 12]
+    assert jerk[within].max() == pytest.approx(0) and jerk[ticks == 8][0] == pytest.approx(0.3)
+    summary = execution_summary([ep])
+    assert summary["boundary_jerk"] == pytest.approx((0.3 + 0.6 + 0.3) / 3)
+    assert summary["within_jerk"] == pytest.approx(0) and summary["max_command_step"] == pytest.approx(0.4)
+
+
+def test_rtc_at_no_delay_is_naive_and_guides_later_chunks():
+    """In the demo: at d = 0 nothing plays while a chunk computes, so RTC adds nothing (identical commands);
+    at d = 6 the first chunk (nothing to continue) is the same, the later ones are guided."""
+    from oxygen_ros.eval import evaluate_execution
+
+    traces = {}
+    evaluate_execution(1, seed=7000, steps=40, delays=(0, 6), executions=("naive", "rtc"), traces=traces,
+                       log=lambda *_: None)
+    assert np.array_equal(traces[("naive", 0)].commands, traces[("rtc", 0)].commands)
+    naive, guided = traces[("naive", 6)], traces[("rtc", 6)]
+    first_switch = naive.switches[0]
+    assert np.array_equal(naive.commands[:first_switch], guided.commands[:first_switch])
+    assert np.abs(naive.commands[first_switch:] - guided.commands[first_switch:]).max() > 1e-3

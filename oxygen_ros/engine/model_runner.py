@@ -125,12 +125,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def actions(self, frames: list[FrameCache], noise: torch.Tensor, steps: int | None = None,
-                guides: list[rtc.RowGuide | None] | None = None,
-                max_guidance: float = rtc.DEFAULT_MAX_GUIDANCE) -> list[np.ndarray | EngineFault]:
+                guides: list[rtc.RowGuide | None] | None = None, max_guidance: float = rtc.DEFAULT_MAX_GUIDANCE,
+                correction: str = "vjp") -> list[np.ndarray | EngineFault]:
         """Model-space action chunks [H, action_dim] (float32) of several frames, denoised together (noise
         [R, H, action_dim], one row per frame). A chunk with non-finite values comes back as an EngineFault.
-        guides: per frame, real-time chunking toward its robot's previous chunk (model/rtc.py), or None.
-        Frames without an active guide are denoised exactly as without guides (as their own batch)."""
+        guides: per frame, real-time chunking toward its robot's previous chunk (model/rtc.py), or None; with
+        the guidance weight clip `max_guidance` (beta) and the `correction` ("vjp": the paper's; "error":
+        LeRobot 0.6.1's). Frames without an active guide are denoised exactly as without guides (as their
+        own batch)."""
         steps = steps or self.cfg.num_denoise_steps
         noise = noise.reshape(len(frames), *noise.shape[-2:])
         guided = rtc.guided_rows(guides)
@@ -142,7 +144,8 @@ class ModelRunner:
             if plain:
                 x[plain] = self._sample([frames[i] for i in plain], noise[plain], steps)
             x[guided] = self._sample_guided([frames[i] for i in guided], noise[guided], steps,
-                                            rtc.Guidance.stack([guides[i] for i in guided], max_guidance))
+                                            rtc.Guidance.stack([guides[i] for i in guided], max_guidance,
+                                                               correction))
         x = x.cpu().numpy()
         return [x[i] if np.all(np.isfinite(x[i])) else
                 EngineFault(f"frame {f.frame_index}: the action expert produced non-finite actions")

@@ -191,9 +191,10 @@ class Pi05(nn.Module):
         """Euler integration of the flow from noise (t = 1) to actions (t = 0), in `steps` steps.
 
         guidance: real-time chunking for every row (model/rtc.py). Each step's velocity is then the guided
-        one, a vector-Jacobian product through the expert: autograd must be available (not in inference
-        mode) and `attn` must be the torch attention (the Triton kernels have no backward); the norms run
-        on the torch path too. Without it the loop is unchanged (and captured as one CUDA graph)."""
+        one; its "vjp" correction is a vector-Jacobian product through the expert: autograd must be
+        available (not in inference mode) and `attn` must be the torch attention (the Triton kernels have
+        no backward); the norms run on the torch path too. Without guidance the loop is unchanged (and
+        captured as one CUDA graph)."""
         times, dt = self.flow_schedule(steps or self.cfg.num_denoise_steps)
         x = noise.float().to(self.device)
         if guidance is not None:
@@ -218,7 +219,7 @@ class Pi05(nn.Module):
         for t in times.tolist():            # the same float32 times as the plain loop, as Python floats
             t_rows = torch.full((x.shape[0],), t, dtype=torch.float32, device=self.device)
             v = rtc.guided_velocity(lambda z: self.denoise_step(z, t_rows, attn, backend="torch"), x, t,
-                                    guidance.target, guidance.weights, guidance.max_weight)
+                                    guidance.target, guidance.weights, guidance.max_weight, guidance.correction)
             if record is not None:
                 record.append((t, x.clone(), v.clone()))
             x = x + dt * v

@@ -21,9 +21,13 @@ prefix K/V: the K/V are constants, the gradient flows only from x_t through the 
 LeRobot 0.6.1 (`lerobot.policies.rtc.modeling_rtc.RTCProcessor`) computes the same v' with the same
 weights, guidance weight and time convention, except that it evaluates v(x_t) before marking x_t as
 requiring a gradient, so its `correction` is e itself (d x0 / d x_t taken as the identity): its result is
-v - w * e, ours v - w * e + w * t * (dv/dx_t)^T e. test/test_rtc.py checks both parts against reference
-arrays made with LeRobot (scripts/rtc_reference.py). The default beta is the paper's (5; LeRobot's config
-defaults to 10), the default schedule the paper's (exp; LeRobot's config defaults to linear).
+v - w * e, the paper's v - w * e + w * t * (dv/dx_t)^T e. Both are here (`correction`): "vjp", the paper's
+(default), and "error", LeRobot 0.6.1's (no backward pass). They differ most for a confident model: when
+the predicted actions hardly depend on x_t (dx0/dx_t ~ 0, the small demo model), the VJP vanishes and the
+paper's guidance cannot move the chunk, while the error term still pulls x_t itself (docs/rtc.md has the
+measurements). test/test_rtc.py checks both against reference arrays made with LeRobot
+(scripts/rtc_reference.py). The default beta is the paper's (5; LeRobot's config defaults to 10), the
+default schedule the paper's (exp; LeRobot's config defaults to linear).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import torch
 
 SCHEDULES = ("exp", "linear", "ones", "zeros")
 DEFAULT_SCHEDULE = "exp"
+CORRECTIONS = ("vjp", "error")
 DEFAULT_MAX_GUIDANCE = 5.0      # beta, the paper's value
 
 
@@ -78,11 +83,19 @@ def guidance_weight(t: float, max_weight: float) -> float:
 
 
 def guided_velocity(velocity: Callable[[torch.Tensor], torch.Tensor], x_t: torch.Tensor, t: float,
-                    target: torch.Tensor, weights: torch.Tensor, max_weight: float = DEFAULT_MAX_GUIDANCE
-                    ) -> torch.Tensor:
+                    target: torch.Tensor, weights: torch.Tensor, max_weight: float = DEFAULT_MAX_GUIDANCE,
+                    correction: str = "vjp") -> torch.Tensor:
     """The RTC velocity v' [G, H, A] (module docstring) of rows x_t [G, H, A] at flow time t, each row with
-    its own target rows [G, H, A] and weights [G, H]. `velocity(x)` must be differentiable in x (autograd on,
-    inference mode off). Returns a tensor detached from the graph."""
+    its own target rows [G, H, A] and weights [G, H]. correction "vjp": `velocity(x)` must be differentiable
+    in x (autograd on, inference mode off); "error": LeRobot 0.6.1's, the weighted error itself. Returns a
+    tensor detached from any graph."""
+    if correction == "error":
+        with torch.no_grad():
+            v = velocity(x_t)
+            g = (target - (x_t - t * v)) * weights[..., None]
+        return v - guidance_weight(t, max_weight) * g
+    if correction != "vjp":
+        raise ValueError(f"RTC correction {correction!r} is not one of {', '.join(CORRECTIONS)}")
     if torch.is_inference_mode_enabled():
         raise RuntimeError("RTC guidance needs autograd: call it outside torch.inference_mode")
     x = x_t.detach().requires_grad_(True)
@@ -90,8 +103,8 @@ def guided_velocity(velocity: Callable[[torch.Tensor], torch.Tensor], x_t: torch
         v = velocity(x)
         x0 = x - t * v
         error = (target - x0) * weights[..., None]
-        (correction,) = torch.autograd.grad(x0, x, error.detach())
-    return (v - guidance_weight(t, max_weight) * correction).detach()
+        (g,) = torch.autograd.grad(x0, x, error.detach())
+    return (v - guidance_weight(t, max_weight) * g).detach()
 
 
 @dataclass(frozen=True)
@@ -133,15 +146,24 @@ class Guidance:
     target: torch.Tensor    # [R, H, A]
     weights: torch.Tensor   # [R, H]
     max_weight: float = DEFAULT_MAX_GUIDANCE
+    correction: str = "vjp"
+
+    def __post_init__(self):
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"RTC correction {self.correction!r} is not one of {', '.join(CORRECTIONS)}")
+        if not self.max_weight > 0:
+            raise ValueError(f"RTC max guidance weight (beta) must be > 0, got {self.max_weight}")
 
     @classmethod
-    def stack(cls, guides: Sequence[RowGuide], max_weight: float = DEFAULT_MAX_GUIDANCE) -> "Guidance":
-        return cls(torch.stack([g.target for g in guides]), torch.stack([g.weights for g in guides]), max_weight)
+    def stack(cls, guides: Sequence[RowGuide], max_weight: float = DEFAULT_MAX_GUIDANCE,
+              correction: str = "vjp") -> "Guidance":
+        return cls(torch.stack([g.target for g in guides]), torch.stack([g.weights for g in guides]), max_weight,
+                   correction)
 
     def to(self, device: torch.device | str) -> "Guidance":
         """Float32 copies on `device` (also: made outside inference mode, so autograd may save them)."""
         return Guidance(self.target.to(device, torch.float32, copy=True),
-                        self.weights.to(device, torch.float32, copy=True), self.max_weight)
+                        self.weights.to(device, torch.float32, copy=True), self.max_weight, self.correction)
 
 
 def guided_rows(guides: Sequence[RowGuide | None] | None) -> list[int]:
