@@ -40,6 +40,8 @@ import torch
 from oxygen_ros.engine.engine import POLICIES, EngineConfig
 from oxygen_ros.engine.factory import build_engine, build_model, model_config
 from oxygen_ros.engine.requests import TextRequest
+from oxygen_ros.model import rtc
+from oxygen_ros.robot.chunks import EXECUTIONS, ActionChunkPlan, ChunkFollower
 from oxygen_ros.robot.policy_io import RobotIOConfig
 from oxygen_ros.robot.sync import Observation
 from oxygen_ros.sim.expert import expert_chunk, inverse_kinematics
@@ -214,6 +216,216 @@ def evaluate(episodes: int, seed: int = 0, steps: int = 210, replan: int = 10, p
     return out
 
 
+# ---------------------------------------------------------------------------------- execution under delay
+# Issue #22: how a new chunk takes over when it arrives d ticks after its observation (naive, blend, rtc).
+# Simulation time, deterministic: the chunk computed from the observation at tick t is first used at tick
+# t + d; until then the robot keeps executing what it has (the start pose before the first chunk).
+
+EXECUTION_DELAYS = (0, 3, 6, 10)
+
+
+@dataclass(frozen=True)
+class RtcSettings:
+    schedule: str = rtc.DEFAULT_SCHEDULE
+    max_guidance: float = rtc.DEFAULT_MAX_GUIDANCE
+    execution_horizon: int = 0          # where the weights end (LeRobot's execution_horizon); 0: the horizon
+    correction: str = "vjp"             # the paper's; "error": LeRobot 0.6.1's (model/rtc.py)
+
+
+@dataclass
+class PlayedChunk:
+    """A chunk as the follower plays it, with what RTC needs to continue it."""
+
+    plan: ActionChunkPlan
+    model_actions: np.ndarray   # [H, A] model space
+    model_state: np.ndarray     # the state its delta actions are relative to (model units, not normalised)
+    tick: int                   # of its observation
+
+
+class ChunkPlanner:
+    """The demo model through the engine's own preparer and runner (issue #22 phase 1: the runner is
+    called directly, with the previous chunk; the engine's actions task does this in phase 2). A plain
+    chunk is the engine's: prepare, prefill, denoise, robot actions."""
+
+    def __init__(self, model, checkpoint: Path):
+        self.engine = EnginePolicy("oxygen", model, checkpoint).engine
+        self.preparer, self.runner = self.engine.preparer, self.engine.runner
+        self.horizon, self.dim = model.cfg.action_horizon, model.cfg.action_dim
+        io = self.preparer.io
+        # unnormalize is affine per dimension: its slope turns a change of state into model units
+        self._slope = (io.normalizer.unnormalize_actions(np.ones((1, self.dim)))
+                       - io.normalizer.unnormalize_actions(np.zeros((1, self.dim))))[0]
+        mask = np.zeros(self.dim, dtype=bool)
+        mask[:len(io.config.delta_action_mask)] = io.config.delta_action_mask
+        self._delta = mask
+        self._frames = 0
+
+    def plan(self, image: np.ndarray, state: np.ndarray, prompt: str, noise: np.ndarray, tick: int,
+             previous: PlayedChunk | None = None, delay: int = 0, settings: RtcSettings | None = None
+             ) -> PlayedChunk:
+        """The chunk for the observation at `tick`; with `previous` and `settings` (RTC) guided to continue
+        `previous` over the `delay` rows that play while it computes (no guidance when delay is 0)."""
+        stamp = tick * CONTROL_PERIOD_S
+        prepared = self.preparer.prepare(Observation(stamp, {CAMERA_SLOT: image}, {CAMERA_SLOT: True}, state, prompt))
+        model_state = self.preparer.io.model_state(prepared.state)
+        guided = previous is not None and settings is not None and delay > 0
+        settings = settings or RtcSettings()
+        guides = [self.guide(previous, tick, model_state, delay, settings)] if guided else None
+        self._frames += 1
+        with self.runner.prefill_one(prepared.row, self._frames, stamp) as frame:
+            (actions,) = self.runner.actions([frame], torch.as_tensor(noise)[None], guides=guides,
+                                             max_guidance=settings.max_guidance, correction=settings.correction)
+        if isinstance(actions, Exception):
+            raise RuntimeError(f"tick {tick}: {actions}")
+        plan = ActionChunkPlan(self.preparer.robot_actions(actions, prepared), stamp, CONTROL_PERIOD_S, self._frames)
+        return PlayedChunk(plan, actions, model_state, tick)
+
+    def guide(self, previous: PlayedChunk, tick: int, model_state: np.ndarray, delay: int,
+              settings: RtcSettings) -> rtc.RowGuide:
+        """The previous chunk's rows from the one meant for this tick on, in this observation's model space:
+        its delta dimensions re-expressed relative to the new state (a shift of (old - new state) / slope)."""
+        leftover = previous.model_actions[tick - previous.tick:].astype(np.float64)
+        shift = np.zeros(self.dim)
+        n = min(len(model_state), self.dim)
+        shift[:n] = (previous.model_state[:n] - model_state[:n]) / self._slope[:n]
+        leftover[:, self._delta] += shift[self._delta]
+        return rtc.row_guide(torch.as_tensor(leftover), delay, settings.execution_horizon or self.horizon,
+                             self.horizon, self.dim, settings.schedule)
+
+
+@dataclass
+class DelayedEpisode:
+    success: bool
+    steps: int
+    commands: np.ndarray        # [T, joints] commanded joint positions, one per tick
+    chunk_of_tick: np.ndarray   # [T] frame index of the chunk each command came from (-1: start pose held)
+    blending: np.ndarray        # [T] bool: a mixture of two chunks (execution blend)
+    switches: list              # ticks at which a chunk took over from another chunk
+
+
+def run_delayed_episode(scene: ReachScene, layout: Layout, target: int, planner: ChunkPlanner, prompt: str,
+                        noise_seed: int, steps: int, replan: int, delay: int, execution: str, blend_steps: int,
+                        settings: RtcSettings) -> DelayedEpisode:
+    """One episode: every `replan` ticks a chunk from the current observation, first used `delay` ticks
+    later through the ChunkFollower with `execution` (rtc: guided by the chunk playing when observed)."""
+    scene.reset(layout)
+    follower = ChunkFollower(execution, blend_steps if execution == "blend" else 0)
+    noise = np.random.default_rng(noise_seed)
+    pending: list[tuple[int, PlayedChunk]] = []
+    playing: PlayedChunk | None = None
+    commands, chunk_of_tick, blending, switches = [], [], [], []
+    for k in range(steps):
+        if pending and pending[0][0] == k:
+            playing = pending.pop(0)[1]
+            follower.push(playing.plan)
+        if k % replan == 0:
+            chunk_noise = noise.standard_normal((planner.horizon, planner.dim)).astype(np.float32)
+            chunk = planner.plan(scene.render("base"), scene.joints(), prompt, chunk_noise, k, playing, delay,
+                                 settings if execution == "rtc" else None)
+            if delay == 0:
+                playing = chunk
+                follower.push(chunk.plan)
+            else:
+                pending.append((k + delay, chunk))
+        cmd = follower.next(k * CONTROL_PERIOD_S)
+        action = layout.start if cmd.action is None else cmd.action
+        if cmd.switched and chunk_of_tick and chunk_of_tick[-1] >= 0:
+            switches.append(k)
+        commands.append(np.array(action, dtype=np.float64))
+        chunk_of_tick.append(cmd.frame_index)
+        blending.append(cmd.status == "blending")
+        scene.step(action)
+        if scene.touching() == target:
+            return DelayedEpisode(True, k + 1, np.array(commands), np.array(chunk_of_tick), np.array(blending),
+                                  switches)
+    return DelayedEpisode(False, steps, np.array(commands), np.array(chunk_of_tick), np.array(blending), switches)
+
+
+def command_windows(ep: DelayedEpisode) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per tick k >= 3: the jerk, mean over joints of |q[k] - 3 q[k-1] + 3 q[k-2] - q[k-3]| (the third
+    difference of the commanded positions, rad per tick^3), and whether its window q[k-3..k] is a
+    *boundary* window (its commands come from two chunks, or one is a blend of two) or a *within* window
+    (one chunk, unblended). Windows that include the start pose held before the first chunk are neither."""
+    q, src, mixed = ep.commands, ep.chunk_of_tick, ep.blending
+    jerk, boundary, within = [], [], []
+    for k in range(3, len(q)):
+        window = src[k - 3:k + 1]
+        jerk.append(float(np.abs(q[k] - 3 * q[k - 1] + 3 * q[k - 2] - q[k - 3]).mean()))
+        held = (window < 0).any()
+        one_chunk = (window == window[0]).all() and not mixed[k - 3:k + 1].any()
+        boundary.append(not held and not one_chunk)
+        within.append(not held and one_chunk)
+    return np.array(jerk), np.array(boundary, dtype=bool), np.array(within, dtype=bool)
+
+
+def execution_summary(episodes: list[DelayedEpisode]) -> dict:
+    jerks, boundary, within, steps = [], [], [], []
+    for ep in episodes:
+        j, b, w = command_windows(ep)
+        jerks.append(j)
+        boundary.append(b)
+        within.append(w)
+        played = ep.chunk_of_tick >= 0
+        both = played[1:] & played[:-1]       # consecutive commands from chunks (not the start pose)
+        if both.any():
+            steps.append(np.abs(np.diff(ep.commands, axis=0))[both].max())
+    j, b, w = (np.concatenate(x) if x else np.zeros(0) for x in (jerks, boundary, within))
+    ok = [ep.steps for ep in episodes if ep.success]
+    return {
+        "success_rate": float(np.mean([ep.success for ep in episodes])),
+        "boundary_jerk": float(j[b].mean()) if b.any() else None,
+        "within_jerk": float(j[w].mean()) if w.any() else None,
+        "max_command_step": float(max(steps)) if steps else None,
+        "mean_steps_to_touch": float(np.mean(ok)) if ok else None,
+        "switches": int(sum(len(ep.switches) for ep in episodes)),
+    }
+
+
+def evaluate_execution(episodes: int, seed: int = 1000, steps: int = 210, replan: int = 10,
+                       delays=EXECUTION_DELAYS, executions=EXECUTIONS, blend_steps: int = 5,
+                       settings: RtcSettings = RtcSettings(), checkpoint: Path | None = None,
+                       traces: dict | None = None, log=print) -> dict:
+    """Every (execution, delay) on the same seeded episodes and chunk noise as `evaluate`. `traces`: filled
+    with the first episode's DelayedEpisode per (execution, delay) (scripts/rtc_switch_plot.py)."""
+    if max(delays) > replan:
+        raise ValueError(f"delays up to {max(delays)} ticks need --replan >= {max(delays)}: a chunk must arrive "
+                         "before the next one is computed")
+    torch.set_num_threads(1)
+    checkpoint = Path(checkpoint or demo_checkpoint())
+    cfg = model_config("demo")
+    if max(delays) + replan > cfg.action_horizon:
+        raise ValueError(f"delay + replan must fit the chunk ({cfg.action_horizon} rows), got {max(delays)} + {replan}")
+    planner = ChunkPlanner(build_model(cfg, str(checkpoint)), checkpoint)
+    scene = ReachScene(cfg.vision.image_size)
+    results = {(e, d): [] for e in executions for d in delays}
+    start = time.monotonic()
+    for ep in range(episodes):
+        rng = np.random.default_rng([seed, ep])             # as `evaluate` draws episode ep
+        layout = Layout.random(rng)
+        target = int(rng.integers(len(layout.colours)))
+        prompt = task_prompt(layout.colours[target])
+        noise_seed = int(rng.integers(2**31))
+        for (e, d), rs in results.items():
+            rs.append(run_delayed_episode(scene, layout, target, planner, prompt, noise_seed, steps, replan, d,
+                                          e, blend_steps, settings))
+            if traces is not None and ep == 0:
+                traces[(e, d)] = rs[-1]
+        log(f"[eval execution] episode {ep + 1}/{episodes}: {prompt!r} "
+            + " ".join(f"{e}@{d}={'ok' if rs[-1].success else 'FAIL'}" for (e, d), rs in results.items()))
+    scene.close()
+    return {
+        "episodes": episodes, "seed": seed, "steps": steps, "replan": replan, "control_hz": 70,
+        "blend_steps": blend_steps,
+        "rtc": {"schedule": settings.schedule, "max_guidance": settings.max_guidance,
+                "execution_horizon": settings.execution_horizon or cfg.action_horizon,
+                "correction": settings.correction},
+        "execution": {e: {str(d): execution_summary(results[(e, d)]) for d in delays} for e in executions},
+        "jerk_unit": "rad per tick^3 (mean over joints of |third difference| of commanded positions)",
+        "wall_s": round(time.monotonic() - start, 1),
+        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread",
+    }
+
+
 # ---------------------------------------------------------------------------------------------- ROS path
 
 _OUTCOME = re.compile(r"episode (\d+): '([^']*)': (?:touched in ([\d.]+) s|timed out ([\d.]+) cm away)")
@@ -291,6 +503,46 @@ def evaluate_ros(episodes: int, seed: int = 1000, steps: int = 210, checkpoint: 
     }
 
 
+def add_execution_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("execution under delay (issue #22, docs/rtc.md)")
+    g.add_argument("--delay-ticks", default=None, help="comma-separated delays in ticks (default "
+                   f"{','.join(map(str, EXECUTION_DELAYS))}): a chunk observed at tick t is first used at t + d")
+    g.add_argument("--execution", default=None, help=f"comma-separated, of {', '.join(EXECUTIONS)} (default all)")
+    g.add_argument("--blend-steps", type=int, default=5, help="ticks of linear blending (execution blend)")
+    g.add_argument("--rtc-schedule", default=rtc.DEFAULT_SCHEDULE, choices=rtc.SCHEDULES)
+    g.add_argument("--rtc-beta", type=float, default=rtc.DEFAULT_MAX_GUIDANCE, help="guidance weight clip")
+    g.add_argument("--rtc-horizon", type=int, default=0,
+                   help="row where the RTC weights end (LeRobot's execution_horizon; 0: the chunk's horizon, "
+                        "cut to the previous chunk's remaining rows)")
+    g.add_argument("--rtc-correction", default="vjp", choices=rtc.CORRECTIONS,
+                   help="vjp: the paper's; error: LeRobot 0.6.1's (the model's Jacobian dropped)")
+
+
+def execution_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    try:
+        delays = tuple(int(d) for d in (a.delay_ticks or ",".join(map(str, EXECUTION_DELAYS))).split(","))
+    except ValueError:
+        p.error(f"--delay-ticks must be comma-separated integers, got {a.delay_ticks!r}")
+    executions = tuple((a.execution or ",".join(EXECUTIONS)).split(","))
+    problems = [f"--execution {e!r} is not one of {', '.join(EXECUTIONS)}" for e in executions if e not in EXECUTIONS]
+    problems += [f"--delay-ticks {d} must be >= 0" for d in delays if d < 0]
+    if a.ros:
+        problems.append("--ros with --execution/--delay-ticks: the ROS path runs in phase 2 of issue #22")
+    if a.blend_steps < 1 and "blend" in executions:
+        problems.append(f"--blend-steps {a.blend_steps} must be >= 1 for execution blend")
+    if not a.rtc_beta > 0 or a.rtc_horizon < 0:
+        problems.append(f"--rtc-beta {a.rtc_beta} must be > 0 and --rtc-horizon {a.rtc_horizon} >= 0")
+    if problems:
+        p.error("; ".join(problems))
+    out = evaluate_execution(a.episodes, a.seed, a.steps, a.replan, delays, executions, a.blend_steps,
+                             RtcSettings(a.rtc_schedule, a.rtc_beta, a.rtc_horizon, a.rtc_correction), a.checkpoint)
+    text = json.dumps(out, indent=1)
+    if a.json:
+        a.json.write_text(text + "\n")
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Evaluate the demo model closed-loop in MuJoCo through the engine.")
     p.add_argument("--episodes", type=int, default=50)
@@ -303,7 +555,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strip", type=Path, default=None, help="PNG: frames of the first episode (README picture)")
     p.add_argument("--ros", action="store_true",
                    help="through oxygen_bringup --demo and the simulated robot node (ROS 2), in wall time")
+    add_execution_arguments(p)
     a = p.parse_args(argv)
+    if a.delay_ticks is not None or a.execution is not None:
+        return execution_main(p, a)
     if a.episodes < 1 or a.steps < 1 or a.replan < 1:
         p.error(f"--episodes {a.episodes}, --steps {a.steps} and --replan {a.replan} must be positive")
     if a.ros and (a.strip or a.replan != 10 or a.policies != ",".join(POLICIES)):
