@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_observation, small_config
+from conftest import SimClock, make_observation, small_config
 from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.factory import build_engine, build_model
 from oxygen_ros.model import rtc
@@ -250,23 +250,25 @@ def test_unguided_rows_keep_the_fixed_shape_loop_and_guided_rows_run_torch():
 
 # ------------------------------------------------------------------------------------ the delay evaluation
 class _RowPlanner:
-    """A stand-in for the model: the chunk observed at tick t holds 100 t + k in row k (every joint), so a
-    command tells which chunk and row it came from; it records what RTC would have been given."""
+    """A stand-in for the engine: the chunk observed at tick t holds 100 t + k in row k (every joint), so a
+    command tells which chunk and row it came from."""
 
     horizon, dim = 20, 3
 
     def __init__(self):
-        self.calls = []
+        self.ticks, self.resets = [], 0
 
-    def plan(self, image, state, prompt, noise, tick, previous=None, delay=0, settings=None):
-        from oxygen_ros.eval import PlayedChunk
+    def reset(self):
+        self.resets += 1
+
+    def plan(self, image, state, prompt, noise, tick):
+        from oxygen_ros.engine.engine import ChunkResult
         from oxygen_ros.robot.chunks import ActionChunkPlan
         from oxygen_ros.sim.scene import CONTROL_PERIOD_S
 
-        self.calls.append((tick, None if previous is None else previous.tick, settings is not None))
+        self.ticks.append(tick)
         rows = 100.0 * tick + np.repeat(np.arange(self.horizon, dtype=np.float64)[:, None], self.dim, axis=1)
-        return PlayedChunk(ActionChunkPlan(rows, tick * CONTROL_PERIOD_S, CONTROL_PERIOD_S, tick + 1),
-                           rows, np.zeros(self.dim), tick)
+        return ChunkResult(ActionChunkPlan(rows, tick * CONTROL_PERIOD_S, CONTROL_PERIOD_S, tick + 1), rows, 0.0, 0)
 
 
 @pytest.fixture(scope="module")
@@ -281,22 +283,19 @@ def scene_and_layout():
 @pytest.mark.parametrize("execution", ["naive", "rtc"])
 def test_a_chunk_observed_at_t_is_first_used_at_t_plus_d(scene_and_layout, execution):
     """Simulation time: the chunk from the observation at tick t plays from tick t + d at its row d; until
-    then the robot keeps what it has (the start pose before the first chunk). RTC is given the chunk that
-    plays when the new one is observed."""
-    from oxygen_ros.eval import RtcSettings, run_delayed_episode
+    then the robot keeps what it has (the start pose before the first chunk)."""
+    from oxygen_ros.eval import run_delayed_episode
 
     scene, layout = scene_and_layout
     planner = _RowPlanner()
     ep = run_delayed_episode(scene, layout, 0, planner, "touch", 0, steps=35, replan=10, delay=4,
-                             execution=execution, blend_steps=0, settings=RtcSettings())
-    assert not ep.success
+                             execution=execution, blend_steps=0)
+    assert not ep.success and planner.resets == 1 and planner.ticks == [0, 10, 20, 30]
     assert (ep.commands[:4] == layout.start).all() and (ep.chunk_of_tick[:4] == -1).all()
     for k in range(4, 35):
         observed = (k - 4) // 10 * 10                        # the newest chunk that has arrived by tick k
         assert ep.commands[k][0] == 100 * observed + (k - observed), k
     assert ep.switches == [14, 24, 34]
-    assert planner.calls == [(0, None, execution == "rtc"), (10, 0, execution == "rtc"),
-                             (20, 10, execution == "rtc"), (30, 20, execution == "rtc")]
 
 
 def test_jerk_windows_boundary_and_within():
@@ -306,7 +305,7 @@ def test_jerk_windows_boundary_and_within():
 
     q = np.concatenate([np.zeros(3), 0.1 * np.arange(5), 0.1 * np.arange(5, 10) + 0.3])[:, None]
     src = np.array([-1] * 3 + [1] * 5 + [2] * 5)
-    ep = DelayedEpisode(False, len(q), q, src, np.zeros(len(q), bool), [8])
+    ep = DelayedEpisode(False, len(q), q, src, np.zeros(len(q), bool), [8], [None, 3])
     jerk, boundary, within = command_windows(ep)
     ticks = np.arange(3, len(q))
     assert ticks[boundary].tolist() == [8, 9, 10] and ticks[within].tolist() == [6, 7, 11, 12]
@@ -314,18 +313,114 @@ def test_jerk_windows_boundary_and_within():
     summary = execution_summary([ep])
     assert summary["boundary_jerk"] == pytest.approx((0.3 + 0.6 + 0.3) / 3)
     assert summary["within_jerk"] == pytest.approx(0) and summary["max_command_step"] == pytest.approx(0.4)
+    assert summary["rtc_guided_chunks"] == 1
 
 
 def test_rtc_at_no_delay_is_naive_and_guides_later_chunks():
-    """In the demo: at d = 0 nothing plays while a chunk computes, so RTC adds nothing (identical commands);
-    at d = 6 the first chunk (nothing to continue) is the same, the later ones are guided."""
+    """In the demo, through the engine: at d = 0 nothing plays while a chunk computes, so RTC adds nothing
+    (identical commands); at d = 6 the first chunk (nothing to continue) is the same, the later ones are
+    guided by the engine with d = 6."""
     from oxygen_ros.eval import evaluate_execution
 
     traces = {}
     evaluate_execution(1, seed=7000, steps=40, delays=(0, 6), executions=("naive", "rtc"), traces=traces,
                        log=lambda *_: None)
     assert np.array_equal(traces[("naive", 0)].commands, traces[("rtc", 0)].commands)
+    assert traces[("rtc", 0)].rtc_delays == [None] * 4
     naive, guided = traces[("naive", 6)], traces[("rtc", 6)]
     first_switch = naive.switches[0]
     assert np.array_equal(naive.commands[:first_switch], guided.commands[:first_switch])
     assert np.abs(naive.commands[first_switch:] - guided.commands[first_switch:]).max() > 1e-3
+    assert naive.rtc_delays == [None] * 4 and guided.rtc_delays == [None, 6, 6, 6]
+
+
+# ------------------------------------------------------------------------------------ the engine's actions task
+DT = 1 / 70                      # the small engine's rows: one per publish tick at 70 Hz
+
+
+def _obs(i: int, stamp: float, seed: int = 0):
+    o = make_observation(i, seed=seed)
+    o.stamp_s = stamp
+    return o
+
+
+def _noise(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((H, A)).astype(np.float32)
+
+
+def test_the_engine_guides_a_robots_chunk_by_the_chunk_it_delivered(engine_factory):
+    """rtc on (delay fixed at 2 rows): the first chunk is plain (nothing plays) and bitwise the rtc-off
+    engine's; the next is guided, its first rows closer to the delivered chunk's rows for the same times."""
+    on, off = engine_factory(rtc=True, rtc_delay_rows=2), engine_factory()
+    for engine in (on, off):
+        engine.run_cycle(_obs(0, 10.0), _noise(0))
+    first = on.latest_chunk()
+    assert first.rtc_delay_rows is None and np.array_equal(first.model_actions, off.latest_chunk().model_actions)
+    for engine in (on, off):
+        engine.run_cycle(_obs(1, 10.0 + 2 * DT), _noise(1))
+    guided, plain = on.latest_chunk(), off.latest_chunk()
+    assert guided.rtc_delay_rows == 2 and plain.rtc_delay_rows is None
+    playing = first.plan.actions[2:4]                   # the delivered chunk's rows for the new rows 0, 1
+    assert np.abs(guided.plan.actions[:2] - playing).mean() < 0.5 * np.abs(plain.plan.actions[:2] - playing).mean()
+    assert on.stats.snapshot()["counters"]["rtc_guided_chunks"] == 1
+
+
+def test_the_guide_is_the_playing_chunk_in_the_new_frames_model_space(small_model, tmp_path):
+    """Alignment and delta actions: the guide's rows, taken back to robot units with the NEW observation's
+    state, are the delivered chunk's rows for the same times (row 3 on: 3 rows passed between the stamps)."""
+    stats = {"mean": [0.0] * 8, "std": [1.0] * 8, "q01": [-2.0 + 0.1 * i for i in range(8)],
+             "q99": [1.0 + 0.2 * i for i in range(8)]}
+    path = tmp_path / "norm_stats.json"
+    path.write_text(__import__("json").dumps({"norm_stats": {"state": stats, "actions": stats}}))
+    engine = build_engine(built_model=small_model, norm_stats=str(path), kv_budget_mb=4.0,
+                          robot_io=RobotIOConfig(robot_action_dim=7, delta_action_mask=(True, True, False, True)),
+                          engine=EngineConfig(rtc=True, rtc_delay_rows=1))
+    real, seen = engine.runner.actions, []
+    engine.runner.actions = lambda *args, **kwargs: (seen.append(kwargs.get("guides")), real(*args, **kwargs))[1]
+    engine.run_cycle(_obs(0, 5.0, seed=1), _noise(0))
+    delivered = engine.latest_chunk()
+    new = _obs(1, 5.0 + 3 * DT, seed=2)                # another state: the deltas' base moved
+    engine.run_cycle(new, _noise(1))
+    assert seen[0] == [None] and seen[1][0] is not None
+    target = seen[1][0].target.numpy()[:H - 3]
+    back = engine.preparer.robot_actions(np.pad(target, ((0, 3), (0, 0))), engine.preparer.prepare(new))[:H - 3]
+    np.testing.assert_allclose(back, delivered.plan.actions[3:], atol=1e-5)
+
+
+def test_every_robot_is_guided_by_its_own_chunk(small_model):
+    """A fleet cycle: robot a (a delivered chunk) is guided, robot b (none yet) is plain; a's chunk equals a
+    single-robot engine's doing the same (GUIDED_BATCH_ATOL)."""
+    io = RobotIOConfig(robot_action_dim=7)
+    fleet = build_engine(built_model=small_model, robots={"a": io, "b": io}, kv_budget_mb=8.0,
+                         engine=EngineConfig(rtc=True, rtc_delay_rows=2))
+    solo = build_engine(built_model=small_model, robot_io=io, kv_budget_mb=4.0,
+                        engine=EngineConfig(rtc=True, rtc_delay_rows=2))
+    fleet.run_frames({"a": _obs(0, 1.0)}, {"a": _noise(0)})
+    solo.run_cycle(_obs(0, 1.0), _noise(0))
+    fleet.run_frames({"a": _obs(1, 1.0 + DT), "b": _obs(1, 1.0 + DT, seed=5)}, {"a": _noise(1), "b": _noise(2)})
+    solo.run_cycle(_obs(1, 1.0 + DT), _noise(1))
+    assert fleet.latest_chunk("a").rtc_delay_rows == 2 and fleet.latest_chunk("b").rtc_delay_rows is None
+    assert np.abs(fleet.latest_chunk("a").model_actions - solo.latest_chunk().model_actions).max() <= GUIDED_BATCH_ATOL
+
+
+def test_the_delay_is_predicted_from_the_wait_and_the_measured_latency(engine_factory):
+    """d = ceil((wait in the engine + the longest recent cycle-start-to-chunk latency) / control period)."""
+    clock = SimClock(100.0)
+    engine = engine_factory(rtc=True, clock=clock)
+    real = engine.runner.actions
+    engine.submit_observation(_obs(0, 5.0), _noise(0))
+    clock.advance(3 * DT)
+    engine.run_cycle()                                       # nothing plays yet: plain
+    assert engine.latest_chunk().rtc_delay_rows is None
+    engine.runner.actions = lambda *args, **kwargs: (clock.advance(4 * DT), real(*args, **kwargs))[1]
+    engine.submit_observation(_obs(1, 5.0 + DT), _noise(1))
+    clock.advance(2 * DT)
+    engine.run_cycle()                                       # waited 2 rows, no latency measured yet
+    assert engine.latest_chunk().rtc_delay_rows == 2
+    engine.submit_observation(_obs(2, 5.0 + 2 * DT), _noise(2))
+    engine.run_cycle()                                       # no wait, the last chunk took 4 rows
+    assert engine.latest_chunk().rtc_delay_rows == 4
+    engine.actions.forget("")                                # nothing plays any more: nothing to continue
+    engine.submit_observation(_obs(3, 5.0 + 3 * DT), _noise(3))
+    engine.run_cycle()
+    assert engine.latest_chunk().rtc_delay_rows is None
