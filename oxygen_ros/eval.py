@@ -36,12 +36,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
-from oxygen_ros.engine.engine import POLICIES, EngineConfig
+from oxygen_ros.engine.engine import POLICIES, ChunkResult, EngineConfig
 from oxygen_ros.engine.factory import build_engine, build_model, model_config
 from oxygen_ros.engine.requests import TextRequest
 from oxygen_ros.model import rtc
-from oxygen_ros.robot.chunks import EXECUTIONS, ActionChunkPlan, ChunkFollower
+from oxygen_ros.robot.chunks import EXECUTIONS, ChunkFollower
 from oxygen_ros.robot.policy_io import RobotIOConfig
 from oxygen_ros.robot.sync import Observation
 from oxygen_ros.sim.expert import expert_chunk, inverse_kinematics
@@ -232,65 +233,31 @@ class RtcSettings:
     correction: str = "vjp"             # the paper's; "error": LeRobot 0.6.1's (model/rtc.py)
 
 
-@dataclass
-class PlayedChunk:
-    """A chunk as the follower plays it, with what RTC needs to continue it."""
+class DelayedEngine:
+    """The engine, in process and synchronous (run_cycle), for one execution and delay. With execution rtc
+    its actions task guides each chunk by the chunk it delivered last (the one playing when the new one is
+    observed, as d <= the re-plan period), with the delay fixed at the simulated d (rtc_delay_rows)."""
 
-    plan: ActionChunkPlan
-    model_actions: np.ndarray   # [H, A] model space
-    model_state: np.ndarray     # the state its delta actions are relative to (model units, not normalised)
-    tick: int                   # of its observation
-
-
-class ChunkPlanner:
-    """The demo model through the engine's own preparer and runner (issue #22 phase 1: the runner is
-    called directly, with the previous chunk; the engine's actions task does this in phase 2). A plain
-    chunk is the engine's: prepare, prefill, denoise, robot actions."""
-
-    def __init__(self, model, checkpoint: Path):
-        self.engine = EnginePolicy("oxygen", model, checkpoint).engine
-        self.preparer, self.runner = self.engine.preparer, self.engine.runner
+    def __init__(self, model, checkpoint: Path, execution: str, delay: int, settings: RtcSettings):
+        config = EngineConfig(rtc=execution == "rtc", rtc_delay_rows=delay, rtc_schedule=settings.schedule,
+                              rtc_max_guidance=settings.max_guidance,
+                              rtc_execution_horizon=settings.execution_horizon, rtc_correction=settings.correction)
+        self.engine = build_engine(built_model=model, norm_stats=str(checkpoint / "norm_stats.json"),
+                                   robot_io=RobotIOConfig(robot_action_dim=model.cfg.action_dim,
+                                                          delta_action_mask=(True,) * model.cfg.action_dim),
+                                   engine=config, kv_budget_mb=8.0)
         self.horizon, self.dim = model.cfg.action_horizon, model.cfg.action_dim
-        io = self.preparer.io
-        # unnormalize is affine per dimension: its slope turns a change of state into model units
-        self._slope = (io.normalizer.unnormalize_actions(np.ones((1, self.dim)))
-                       - io.normalizer.unnormalize_actions(np.zeros((1, self.dim))))[0]
-        mask = np.zeros(self.dim, dtype=bool)
-        mask[:len(io.config.delta_action_mask)] = io.config.delta_action_mask
-        self._delta = mask
-        self._frames = 0
 
-    def plan(self, image: np.ndarray, state: np.ndarray, prompt: str, noise: np.ndarray, tick: int,
-             previous: PlayedChunk | None = None, delay: int = 0, settings: RtcSettings | None = None
-             ) -> PlayedChunk:
-        """The chunk for the observation at `tick`; with `previous` and `settings` (RTC) guided to continue
-        `previous` over the `delay` rows that play while it computes (no guidance when delay is 0)."""
-        stamp = tick * CONTROL_PERIOD_S
-        prepared = self.preparer.prepare(Observation(stamp, {CAMERA_SLOT: image}, {CAMERA_SLOT: True}, state, prompt))
-        model_state = self.preparer.io.model_state(prepared.state)
-        guided = previous is not None and settings is not None and delay > 0
-        settings = settings or RtcSettings()
-        guides = [self.guide(previous, tick, model_state, delay, settings)] if guided else None
-        self._frames += 1
-        with self.runner.prefill_one(prepared.row, self._frames, stamp) as frame:
-            (actions,) = self.runner.actions([frame], torch.as_tensor(noise)[None], guides=guides,
-                                             max_guidance=settings.max_guidance, correction=settings.correction)
-        if isinstance(actions, Exception):
-            raise RuntimeError(f"tick {tick}: {actions}")
-        plan = ActionChunkPlan(self.preparer.robot_actions(actions, prepared), stamp, CONTROL_PERIOD_S, self._frames)
-        return PlayedChunk(plan, actions, model_state, tick)
+    def reset(self) -> None:
+        """A new episode: nothing plays, nothing to continue."""
+        self.engine.actions.forget()
 
-    def guide(self, previous: PlayedChunk, tick: int, model_state: np.ndarray, delay: int,
-              settings: RtcSettings) -> rtc.RowGuide:
-        """The previous chunk's rows from the one meant for this tick on, in this observation's model space:
-        its delta dimensions re-expressed relative to the new state (a shift of (old - new state) / slope)."""
-        leftover = previous.model_actions[tick - previous.tick:].astype(np.float64)
-        shift = np.zeros(self.dim)
-        n = min(len(model_state), self.dim)
-        shift[:n] = (previous.model_state[:n] - model_state[:n]) / self._slope[:n]
-        leftover[:, self._delta] += shift[self._delta]
-        return rtc.row_guide(torch.as_tensor(leftover), delay, settings.execution_horizon or self.horizon,
-                             self.horizon, self.dim, settings.schedule)
+    def plan(self, image: np.ndarray, state: np.ndarray, prompt: str, noise: np.ndarray, tick: int) -> ChunkResult:
+        obs = Observation(tick * CONTROL_PERIOD_S, {CAMERA_SLOT: image}, {CAMERA_SLOT: True}, state, prompt)
+        report = self.engine.run_cycle(obs, noise)
+        if report.fault:
+            raise RuntimeError(f"engine fault at tick {tick}: {report.fault}")
+        return self.engine.latest_chunk()
 
 
 @dataclass
@@ -301,29 +268,33 @@ class DelayedEpisode:
     chunk_of_tick: np.ndarray   # [T] frame index of the chunk each command came from (-1: start pose held)
     blending: np.ndarray        # [T] bool: a mixture of two chunks (execution blend)
     switches: list              # ticks at which a chunk took over from another chunk
+    rtc_delays: list            # per chunk, the delay RTC guided it with (None: plain)
 
 
-def run_delayed_episode(scene: ReachScene, layout: Layout, target: int, planner: ChunkPlanner, prompt: str,
-                        noise_seed: int, steps: int, replan: int, delay: int, execution: str, blend_steps: int,
-                        settings: RtcSettings) -> DelayedEpisode:
+def run_delayed_episode(scene: ReachScene, layout: Layout, target: int, planner: DelayedEngine, prompt: str,
+                        noise_seed: int, steps: int, replan: int, delay: int, execution: str,
+                        blend_steps: int) -> DelayedEpisode:
     """One episode: every `replan` ticks a chunk from the current observation, first used `delay` ticks
-    later through the ChunkFollower with `execution` (rtc: guided by the chunk playing when observed)."""
+    later through the ChunkFollower with `execution`."""
     scene.reset(layout)
+    planner.reset()
     follower = ChunkFollower(execution, blend_steps if execution == "blend" else 0)
     noise = np.random.default_rng(noise_seed)
-    pending: list[tuple[int, PlayedChunk]] = []
-    playing: PlayedChunk | None = None
-    commands, chunk_of_tick, blending, switches = [], [], [], []
+    pending: list[tuple[int, ChunkResult]] = []
+    commands, chunk_of_tick, blending, switches, delays = [], [], [], [], []
+
+    def outcome(success: bool, ticks: int) -> DelayedEpisode:
+        return DelayedEpisode(success, ticks, np.array(commands), np.array(chunk_of_tick), np.array(blending),
+                              switches, delays)
+
     for k in range(steps):
         if pending and pending[0][0] == k:
-            playing = pending.pop(0)[1]
-            follower.push(playing.plan)
+            follower.push(pending.pop(0)[1].plan)
         if k % replan == 0:
             chunk_noise = noise.standard_normal((planner.horizon, planner.dim)).astype(np.float32)
-            chunk = planner.plan(scene.render("base"), scene.joints(), prompt, chunk_noise, k, playing, delay,
-                                 settings if execution == "rtc" else None)
+            chunk = planner.plan(scene.render("base"), scene.joints(), prompt, chunk_noise, k)
+            delays.append(chunk.rtc_delay_rows)
             if delay == 0:
-                playing = chunk
                 follower.push(chunk.plan)
             else:
                 pending.append((k + delay, chunk))
@@ -336,9 +307,8 @@ def run_delayed_episode(scene: ReachScene, layout: Layout, target: int, planner:
         blending.append(cmd.status == "blending")
         scene.step(action)
         if scene.touching() == target:
-            return DelayedEpisode(True, k + 1, np.array(commands), np.array(chunk_of_tick), np.array(blending),
-                                  switches)
-    return DelayedEpisode(False, steps, np.array(commands), np.array(chunk_of_tick), np.array(blending), switches)
+            return outcome(True, k + 1)
+    return outcome(False, steps)
 
 
 def command_windows(ep: DelayedEpisode) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -378,6 +348,7 @@ def execution_summary(episodes: list[DelayedEpisode]) -> dict:
         "max_command_step": float(max(steps)) if steps else None,
         "mean_steps_to_touch": float(np.mean(ok)) if ok else None,
         "switches": int(sum(len(ep.switches) for ep in episodes)),
+        "rtc_guided_chunks": int(sum(d is not None for ep in episodes for d in ep.rtc_delays)),
     }
 
 
@@ -395,7 +366,8 @@ def evaluate_execution(episodes: int, seed: int = 1000, steps: int = 210, replan
     cfg = model_config("demo")
     if max(delays) + replan > cfg.action_horizon:
         raise ValueError(f"delay + replan must fit the chunk ({cfg.action_horizon} rows), got {max(delays)} + {replan}")
-    planner = ChunkPlanner(build_model(cfg, str(checkpoint)), checkpoint)
+    model = build_model(cfg, str(checkpoint))
+    engines = {(e, d): DelayedEngine(model, checkpoint, e, d, settings) for e in executions for d in delays}
     scene = ReachScene(cfg.vision.image_size)
     results = {(e, d): [] for e in executions for d in delays}
     start = time.monotonic()
@@ -406,8 +378,8 @@ def evaluate_execution(episodes: int, seed: int = 1000, steps: int = 210, replan
         prompt = task_prompt(layout.colours[target])
         noise_seed = int(rng.integers(2**31))
         for (e, d), rs in results.items():
-            rs.append(run_delayed_episode(scene, layout, target, planner, prompt, noise_seed, steps, replan, d,
-                                          e, blend_steps, settings))
+            rs.append(run_delayed_episode(scene, layout, target, engines[(e, d)], prompt, noise_seed, steps, replan,
+                                          d, e, blend_steps))
             if traces is not None and ep == 0:
                 traces[(e, d)] = rs[-1]
         log(f"[eval execution] episode {ep + 1}/{episodes}: {prompt!r} "
@@ -432,25 +404,39 @@ _OUTCOME = re.compile(r"episode (\d+): '([^']*)': (?:touched in ([\d.]+) s|timed
 _ANSWERS = re.compile(r"\[converse\] .*; (\d+)/(\d+) right\]")
 
 
-def _ros_params(seed: int, episode_s: float, checkpoint: Path | None) -> Path:
-    """A parameters file for the bringup: the robot's episode seed and length, optionally other weights."""
-    text = f"oxygen_sim_robot:\n  ros__parameters:\n    seed: {seed}\n    episode_s: {episode_s}\n"
+def _ros_params(seed: int, episode_s: float, checkpoint: Path | None, execution: str | None = None) -> Path:
+    """A parameters file for the bringup: the robot's episode seed and length, optionally other weights and
+    how chunks take over (execution_params)."""
+    nodes: dict[str, dict] = {"oxygen_sim_robot": {"seed": seed, "episode_s": episode_s}}
     if checkpoint is not None:
         checkpoint = Path(checkpoint).resolve()
-        text += (f"oxygen_engine:\n  ros__parameters:\n    checkpoint: '{checkpoint}'\n"
-                 f"    norm_stats: '{checkpoint / 'norm_stats.json'}'\n")
+        nodes["oxygen_engine"] = {"checkpoint": str(checkpoint), "norm_stats": str(checkpoint / "norm_stats.json")}
+    for node, params in execution_params(execution).items():
+        nodes.setdefault(node, {}).update(params)
     fd, path = tempfile.mkstemp(prefix="oxygen_eval_ros_", suffix=".yaml")
     with os.fdopen(fd, "w") as f:
-        f.write(text)
+        yaml.safe_dump({node: {"ros__parameters": params} for node, params in nodes.items()}, f)
     return Path(path)
 
 
+def execution_params(execution: str | None, blend_steps: int = 5) -> dict[str, dict]:
+    """Node parameters for a way of taking chunks over (None: the demo's configuration, naive)."""
+    if execution is None:
+        return {}
+    out = {"oxygen_action": {"execution": execution, "blend_steps": blend_steps if execution == "blend" else 0}}
+    if execution == "rtc":
+        out["oxygen_engine"] = {"rtc": True}
+    return out
+
+
 def evaluate_ros(episodes: int, seed: int = 1000, steps: int = 210, checkpoint: Path | None = None,
-                 domain: int | None = None, startup_timeout_s: float = 120.0, log=print) -> dict:
+                 domain: int | None = None, startup_timeout_s: float = 120.0, log=print,
+                 execution: str | None = None) -> dict:
     """Run the demo bringup until its robot has finished `episodes` episodes; their outcomes and the
-    demo client's answers, as the simulator and the client judged them."""
+    demo client's answers, as the simulator and the client judged them. `execution`: how the action
+    publisher takes new chunks over (rtc: with the engine's real-time chunking; None: as configured)."""
     episode_s = steps * CONTROL_PERIOD_S
-    params = _ros_params(seed, episode_s, checkpoint)
+    params = _ros_params(seed, episode_s, checkpoint, execution)
     domain = domain if domain is not None else 1 + os.getpid() % 100
     env = dict(os.environ, ROS_DOMAIN_ID=str(domain), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "oxygen_ros.bringup", "--demo", "--params-file", str(params)],
@@ -492,6 +478,7 @@ def evaluate_ros(episodes: int, seed: int = 1000, steps: int = 210, checkpoint: 
     ok = [o["seconds"] for o in outcomes if o["success"]]
     return {
         "path": "ros", "episodes": episodes, "seed": seed, "steps": steps, "control_hz": 70,
+        "execution": execution or "as configured",
         "success_rate": float(np.mean([o["success"] for o in outcomes])),
         "mean_s_to_touch": float(np.mean(ok)) if ok else None,
         "failures_final_distance_cm": sorted(o["distance_cm"] for o in outcomes if not o["success"]),
@@ -526,16 +513,21 @@ def execution_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     executions = tuple((a.execution or ",".join(EXECUTIONS)).split(","))
     problems = [f"--execution {e!r} is not one of {', '.join(EXECUTIONS)}" for e in executions if e not in EXECUTIONS]
     problems += [f"--delay-ticks {d} must be >= 0" for d in delays if d < 0]
-    if a.ros:
-        problems.append("--ros with --execution/--delay-ticks: the ROS path runs in phase 2 of issue #22")
+    if a.ros and (a.delay_ticks is not None or len(executions) != 1 or a.replan != 10 or a.strip):
+        problems.append("--ros takes one --execution and no --delay-ticks, --replan or --strip: through the real "
+                        "nodes the delay and the re-planning are the engine's own")
     if a.blend_steps < 1 and "blend" in executions:
         problems.append(f"--blend-steps {a.blend_steps} must be >= 1 for execution blend")
     if not a.rtc_beta > 0 or a.rtc_horizon < 0:
         problems.append(f"--rtc-beta {a.rtc_beta} must be > 0 and --rtc-horizon {a.rtc_horizon} >= 0")
     if problems:
         p.error("; ".join(problems))
-    out = evaluate_execution(a.episodes, a.seed, a.steps, a.replan, delays, executions, a.blend_steps,
-                             RtcSettings(a.rtc_schedule, a.rtc_beta, a.rtc_horizon, a.rtc_correction), a.checkpoint)
+    if a.ros:
+        out = evaluate_ros(a.episodes, a.seed, a.steps, a.checkpoint, execution=executions[0])
+    else:
+        out = evaluate_execution(a.episodes, a.seed, a.steps, a.replan, delays, executions, a.blend_steps,
+                                 RtcSettings(a.rtc_schedule, a.rtc_beta, a.rtc_horizon, a.rtc_correction),
+                                 a.checkpoint)
     text = json.dumps(out, indent=1)
     if a.json:
         a.json.write_text(text + "\n")
@@ -557,10 +549,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="through oxygen_bringup --demo and the simulated robot node (ROS 2), in wall time")
     add_execution_arguments(p)
     a = p.parse_args(argv)
-    if a.delay_ticks is not None or a.execution is not None:
-        return execution_main(p, a)
     if a.episodes < 1 or a.steps < 1 or a.replan < 1:
         p.error(f"--episodes {a.episodes}, --steps {a.steps} and --replan {a.replan} must be positive")
+    if a.delay_ticks is not None or a.execution is not None:
+        return execution_main(p, a)
     if a.ros and (a.strip or a.replan != 10 or a.policies != ",".join(POLICIES)):
         p.error("--ros runs the demo bringup as configured (config/demo.yaml): --strip, --replan and --policies "
                 "apply to the in-process evaluation only")

@@ -48,8 +48,8 @@ def publisher(ros, engine_factory):
     recorded (through the real rclpy publish, which checks the message type)."""
     from oxygen_ros.nodes.action_publisher import ActionPublisher
 
-    def make(inputs_fresh=None, **params):
-        engine = engine_factory()
+    def make(inputs_fresh=None, engine_config: dict | None = None, **params):
+        engine = engine_factory(**(engine_config or {}))
         node = ros.add(ActionPublisher(engine, inputs_fresh=inputs_fresh, context=ros.context,
                                        parameter_overrides=[Parameter(k, value=v) for k, v in params.items()]))
         node.clock = SimClock(100.0)
@@ -111,7 +111,7 @@ def test_a_tick_before_the_chunk_stamp_plays_row_0_and_sends_the_whole_trajector
 def test_execution_decides_how_a_new_chunk_takes_over(publisher, execution, blend_steps, statuses):
     """rtc (like naive) plays a new chunk at its row for now from the tick it arrives, unblended; blend mixes
     the old chunk in over blend_steps ticks."""
-    node = publisher(execution=execution, blend_steps=blend_steps)
+    node = publisher(execution=execution, blend_steps=blend_steps, engine_config=dict(rtc=execution == "rtc"))
     assert node.follower.execution == execution
     node._on_chunk(chunk(100.0, 1))
     tick_at(node, 100.0 + 2 * DT)
@@ -135,6 +135,8 @@ def test_execution_settings_are_refused_together(ros, engine_factory):
         ActionPublisher(engine_factory(), context=ros.context, parameter_overrides=overrides)
     assert "blend_steps 3 applies to execution 'blend' only" in str(refused.value)
     assert "execution 'rtc' takes a chunk over when it arrives" in str(refused.value)
+    with pytest.raises(ParameterError, match="execution 'rtc' plays chunks the engine guided: turn on"):
+        ActionPublisher(engine_factory(), context=ros.context, parameter_overrides=[Parameter("execution", value="rtc")])
     bad = [Parameter("execution", value="smooth")]
     with pytest.raises(ParameterError, match=r"oxygen_action.execution = 'smooth': must be one of \['naive'"):
         ActionPublisher(engine_factory(), context=ros.context, parameter_overrides=bad)

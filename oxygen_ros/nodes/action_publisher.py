@@ -84,6 +84,9 @@ class ActionPublisher(Node):
         if p["execution"] in EXECUTIONS and p["blend_steps"] >= 0 and p["replan_steps"] >= 0:
             # the combination (each value alone was checked by declare_all)
             problems += execution_problems(p["execution"], p["blend_steps"], p["replan_steps"])
+        if p["execution"] == "rtc" and not engine.config.rtc:
+            problems.append("execution 'rtc' plays chunks the engine guided: turn on the engine's real-time "
+                            "chunking (oxygen_engine rtc: true)")
         try:
             self.limits = ActionLimits.from_config(dim, p["lower_limits"] or None, p["upper_limits"] or None,
                                                    p["max_velocity"] or None, 1.0 / p["action_rate_hz"])
