@@ -1,11 +1,13 @@
-"""The cost of real-time chunking: one frame's action step (the flow-matching loop) with and without RTC
-guidance, on random weights of a model preset, through ModelRunner.actions.
+"""The cost of real-time chunking: the engine's action step (CycleReport.action_s: denoising a frame's
+chunk and converting it) with and without RTC guidance, on random weights of a model preset.
 
     python scripts/rtc_cost.py --preset tiny --preset bench --json docs/rtc_cost_cpu.json
 
-Plain is the engine's path (on a GPU: Triton and the CUDA-graph loop); guided runs the torch path with
-autograd (correction "vjp", the paper's) or without (correction "error", LeRobot 0.6.1's), eagerly.
-Median of --repeats timed calls after --warmup, the variants taking turns.
+Three engines on one model see the same observations (one row apart, so each chunk continues the last):
+plain (RTC off: the engine's usual path, on a GPU Triton and the CUDA-graph loop), rtc_vjp (the paper's
+correction: a backward pass per step, eager torch path) and rtc_error (LeRobot 0.6.1's: no backward pass),
+both guided with a delay of --delay rows. Median over --repeats cycles after --warmup, the engines taking
+turns (a change of load hits all of them).
 """
 from __future__ import annotations
 
@@ -13,44 +15,45 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from oxygen_ros.engine.config import EngineConfig
-from oxygen_ros.engine.factory import build_engine, model_config
-from oxygen_ros.model import rtc
+from oxygen_ros.engine.factory import build_engine, build_model, model_config
 from oxygen_ros.robot.sync import Observation
+
+VARIANTS = {"plain": dict(), "rtc_vjp": dict(rtc=True, rtc_correction="vjp"),
+            "rtc_error": dict(rtc=True, rtc_correction="error")}
 
 
 def measure(preset: str, device: str, repeats: int, warmup: int, delay: int) -> dict:
     cfg = model_config(preset)
-    engine = build_engine(cfg, device=device, engine=EngineConfig(), kv_budget_mb=64.0)
-    size = cfg.vision.image_size
-    images = {s: torch.randint(0, 256, (size, size, 3), dtype=torch.uint8).numpy() for s in cfg.camera_slots}
-    obs = Observation(0.0, images, dict.fromkeys(cfg.camera_slots, True), [0.0] * 8, "pick up the cup")
-    runner, h, a = engine.runner, cfg.action_horizon, cfg.action_dim
-    frame = runner.prefill_one(engine.preparer.prepare(obs).row, 0, 0.0)
-    noise = torch.randn(1, h, a, generator=torch.Generator().manual_seed(0))
-    guide = rtc.row_guide(torch.randn(h - delay, a), delay, h, h, a)
-    variants = {"plain": dict(guides=None), "rtc_vjp": dict(guides=[guide], correction="vjp"),
-                "rtc_error": dict(guides=[guide], correction="error")}
-    times = {name: [] for name in variants}
-    for i in range(warmup + repeats):      # the variants in turn: a change of load hits all of them
-        for name, kwargs in variants.items():
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            runner.actions([frame], noise, **kwargs)        # returns numpy: synchronised
+    model = build_model(cfg, device=device)
+    engines = {name: build_engine(built_model=model, engine=EngineConfig(rtc_delay_rows=delay, **extra),
+                                  kv_budget_mb=64.0) for name, extra in VARIANTS.items()}
+    size, rate = cfg.vision.image_size, EngineConfig().action_rate_hz
+    rng = np.random.default_rng(0)
+    images = {s: rng.integers(0, 256, (size, size, 3), dtype=np.uint8) for s in cfg.camera_slots}
+    noise = rng.standard_normal((cfg.action_horizon, cfg.action_dim)).astype(np.float32)
+    times = {name: [] for name in engines}
+    for i in range(warmup + repeats):
+        obs = Observation(i / rate, images, dict.fromkeys(cfg.camera_slots, True), np.zeros(8), "pick up the cup")
+        for name, engine in engines.items():
+            report = engine.run_cycle(obs, noise)
+            guided = engine.latest_chunk().rtc_delay_rows is not None
+            if guided != (name != "plain" and i > 0):
+                raise RuntimeError(f"{name}: cycle {i} {'was' if guided else 'was not'} guided")
             if i >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(report.action_s)
     out = {f"{name}_ms": round(1e3 * statistics.median(t), 3) for name, t in times.items()}
     out["ratio_vjp"] = round(out["rtc_vjp_ms"] / out["plain_ms"], 2)
     out["ratio_error"] = round(out["rtc_error_ms"] / out["plain_ms"], 2)
-    out.update(steps=cfg.num_denoise_steps, horizon=h, attention=runner.backend,
-               plain_path="CUDA graph" if runner.graphs is not None and device == "cuda" else "eager")
-    frame.release()
+    plain = engines["plain"].runner
+    out.update(steps=cfg.num_denoise_steps, horizon=cfg.action_horizon, attention=plain.backend,
+               plain_path="CUDA graph" if plain.graphs is not None and device == "cuda" else "eager",
+               rtc_path="eager, torch attention and norms")
     return out
 
 
@@ -64,6 +67,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
+    if a.warmup < 1 or a.repeats < 1:
+        p.error("--warmup and --repeats must be >= 1 (the first cycle has no chunk to continue)")
     torch.set_num_threads(a.threads)
     result = {"presets": {name: measure(name, a.device, a.repeats, a.warmup, a.delay) for name in a.preset or ["tiny"]},
               "device": a.device, "torch_threads": a.threads,
