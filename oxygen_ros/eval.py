@@ -352,20 +352,28 @@ def execution_summary(episodes: list[DelayedEpisode]) -> dict:
     }
 
 
+def delay_problems(delays, replan: int, horizon: int) -> list[str]:
+    """A chunk must arrive before the next one is computed, and play until the next one arrives."""
+    out = [f"delay {d} ticks must be >= 0" for d in delays if d < 0]
+    if max(delays) > replan:
+        out.append(f"delays up to {max(delays)} ticks need a re-plan period (--replan) >= {max(delays)}")
+    if max(delays) + replan > horizon:
+        out.append(f"delay + re-plan period must fit the chunk ({horizon} rows), got {max(delays)} + {replan}")
+    return out
+
+
 def evaluate_execution(episodes: int, seed: int = 1000, steps: int = 210, replan: int = 10,
                        delays=EXECUTION_DELAYS, executions=EXECUTIONS, blend_steps: int = 5,
                        settings: RtcSettings = RtcSettings(), checkpoint: Path | None = None,
                        traces: dict | None = None, log=print) -> dict:
     """Every (execution, delay) on the same seeded episodes and chunk noise as `evaluate`. `traces`: filled
     with the first episode's DelayedEpisode per (execution, delay) (scripts/rtc_switch_plot.py)."""
-    if max(delays) > replan:
-        raise ValueError(f"delays up to {max(delays)} ticks need --replan >= {max(delays)}: a chunk must arrive "
-                         "before the next one is computed")
+    cfg = model_config("demo")
+    problems = delay_problems(delays, replan, cfg.action_horizon)
+    if problems:
+        raise ValueError("; ".join(problems))
     torch.set_num_threads(1)
     checkpoint = Path(checkpoint or demo_checkpoint())
-    cfg = model_config("demo")
-    if max(delays) + replan > cfg.action_horizon:
-        raise ValueError(f"delay + replan must fit the chunk ({cfg.action_horizon} rows), got {max(delays)} + {replan}")
     model = build_model(cfg, str(checkpoint))
     engines = {(e, d): DelayedEngine(model, checkpoint, e, d, settings) for e in executions for d in delays}
     scene = ReachScene(cfg.vision.image_size)
@@ -512,7 +520,8 @@ def execution_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         p.error(f"--delay-ticks must be comma-separated integers, got {a.delay_ticks!r}")
     executions = tuple((a.execution or ",".join(EXECUTIONS)).split(","))
     problems = [f"--execution {e!r} is not one of {', '.join(EXECUTIONS)}" for e in executions if e not in EXECUTIONS]
-    problems += [f"--delay-ticks {d} must be >= 0" for d in delays if d < 0]
+    if not a.ros:
+        problems += delay_problems(delays, a.replan, model_config("demo").action_horizon)
     if a.ros and (a.delay_ticks is not None or len(executions) != 1 or a.replan != 10 or a.strip):
         problems.append("--ros takes one --execution and no --delay-ticks, --replan or --strip: through the real "
                         "nodes the delay and the re-planning are the engine's own")
