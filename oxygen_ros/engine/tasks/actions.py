@@ -108,18 +108,15 @@ class ActionsTask:
         if not 0 <= offset < horizon or delay == 0:
             return None, None
         leftover = previous[offset:].astype(np.float64)
-        io = f.preparer.io
-        delta = np.zeros(dim, dtype=bool)
-        delta[:len(io.config.delta_action_mask)] = io.config.delta_action_mask
-        if delta.any():
+        io, delta = f.preparer.io, f.preparer.io.delta_dims
+        if delta.size:
             # un-normalisation is affine per dimension: its slope turns a change of state into model units
             slope = (io.normalizer.unnormalize_actions(np.ones((1, dim)))
-                     - io.normalizer.unnormalize_actions(np.zeros((1, dim))))[0]
+                     - io.normalizer.unnormalize_actions(np.zeros((1, dim))))[0].astype(np.float64)
             state = io.model_state(f.prepared.state)
-            n = min(len(state), len(played.model_state), dim)
-            shift = np.zeros(dim)
-            shift[:n] = (played.model_state[:n] - state[:n]) / slope[:n]
-            leftover[:, delta] += shift[delta]
+            if len(state) <= delta.max():
+                return None, None               # its robot_actions refuses this state: the frame's fault
+            leftover[:, delta] += (played.model_state[delta] - state[delta]) / slope[delta]
         guide = rtc.row_guide(torch.as_tensor(leftover), delay, self.config.rtc_execution_horizon or horizon,
                               horizon, dim, self.config.rtc_schedule)
         return (guide, delay) if guide.active else (None, None)
