@@ -36,10 +36,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
-from oxygen_ros.engine.engine import POLICIES, EngineConfig
+from oxygen_ros.engine.engine import POLICIES, ChunkResult, EngineConfig
 from oxygen_ros.engine.factory import build_engine, build_model, model_config
 from oxygen_ros.engine.requests import TextRequest
+from oxygen_ros.model import rtc
+from oxygen_ros.robot.chunks import EXECUTIONS, ChunkFollower
 from oxygen_ros.robot.policy_io import RobotIOConfig
 from oxygen_ros.robot.sync import Observation
 from oxygen_ros.sim.expert import expert_chunk, inverse_kinematics
@@ -214,31 +217,234 @@ def evaluate(episodes: int, seed: int = 0, steps: int = 210, replan: int = 10, p
     return out
 
 
+# ---------------------------------------------------------------------------------- execution under delay
+# Issue #22: how a new chunk takes over when it arrives d ticks after its observation (naive, blend, rtc).
+# Simulation time, deterministic: the chunk computed from the observation at tick t is first used at tick
+# t + d; until then the robot keeps executing what it has (the start pose before the first chunk).
+
+EXECUTION_DELAYS = (0, 3, 6, 10)
+
+
+@dataclass(frozen=True)
+class RtcSettings:
+    schedule: str = rtc.DEFAULT_SCHEDULE
+    max_guidance: float = rtc.DEFAULT_MAX_GUIDANCE
+    execution_horizon: int = 0          # where the weights end (LeRobot's execution_horizon); 0: the horizon
+    correction: str = "vjp"             # the paper's; "error": LeRobot 0.6.1's (model/rtc.py)
+
+
+class DelayedEngine:
+    """The engine, in process and synchronous (run_cycle), for one execution and delay. With execution rtc
+    its actions task guides each chunk by the chunk it delivered last (the one playing when the new one is
+    observed, as d <= the re-plan period), with the delay fixed at the simulated d (rtc_delay_rows)."""
+
+    def __init__(self, model, checkpoint: Path, execution: str, delay: int, settings: RtcSettings):
+        config = EngineConfig(rtc=execution == "rtc", rtc_delay_rows=delay, rtc_schedule=settings.schedule,
+                              rtc_max_guidance=settings.max_guidance,
+                              rtc_execution_horizon=settings.execution_horizon, rtc_correction=settings.correction)
+        self.engine = build_engine(built_model=model, norm_stats=str(checkpoint / "norm_stats.json"),
+                                   robot_io=RobotIOConfig(robot_action_dim=model.cfg.action_dim,
+                                                          delta_action_mask=(True,) * model.cfg.action_dim),
+                                   engine=config, kv_budget_mb=8.0)
+        self.horizon, self.dim = model.cfg.action_horizon, model.cfg.action_dim
+
+    def reset(self) -> None:
+        """A new episode: nothing plays, nothing to continue."""
+        self.engine.actions.forget()
+
+    def plan(self, image: np.ndarray, state: np.ndarray, prompt: str, noise: np.ndarray, tick: int) -> ChunkResult:
+        obs = Observation(tick * CONTROL_PERIOD_S, {CAMERA_SLOT: image}, {CAMERA_SLOT: True}, state, prompt)
+        report = self.engine.run_cycle(obs, noise)
+        if report.fault:
+            raise RuntimeError(f"engine fault at tick {tick}: {report.fault}")
+        return self.engine.latest_chunk()
+
+
+@dataclass
+class DelayedEpisode:
+    success: bool
+    steps: int
+    commands: np.ndarray        # [T, joints] commanded joint positions, one per tick
+    chunk_of_tick: np.ndarray   # [T] frame index of the chunk each command came from (-1: start pose held)
+    blending: np.ndarray        # [T] bool: a mixture of two chunks (execution blend)
+    switches: list              # ticks at which a chunk took over from another chunk
+    rtc_delays: list            # per chunk, the delay RTC guided it with (None: plain)
+
+
+def run_delayed_episode(scene: ReachScene, layout: Layout, target: int, planner: DelayedEngine, prompt: str,
+                        noise_seed: int, steps: int, replan: int, delay: int, execution: str,
+                        blend_steps: int) -> DelayedEpisode:
+    """One episode: every `replan` ticks a chunk from the current observation, first used `delay` ticks
+    later through the ChunkFollower with `execution`."""
+    scene.reset(layout)
+    planner.reset()
+    follower = ChunkFollower(execution, blend_steps if execution == "blend" else 0)
+    noise = np.random.default_rng(noise_seed)
+    pending: list[tuple[int, ChunkResult]] = []
+    commands, chunk_of_tick, blending, switches, delays = [], [], [], [], []
+
+    def outcome(success: bool, ticks: int) -> DelayedEpisode:
+        return DelayedEpisode(success, ticks, np.array(commands), np.array(chunk_of_tick), np.array(blending),
+                              switches, delays)
+
+    for k in range(steps):
+        if pending and pending[0][0] == k:
+            follower.push(pending.pop(0)[1].plan)
+        if k % replan == 0:
+            chunk_noise = noise.standard_normal((planner.horizon, planner.dim)).astype(np.float32)
+            chunk = planner.plan(scene.render("base"), scene.joints(), prompt, chunk_noise, k)
+            delays.append(chunk.rtc_delay_rows)
+            if delay == 0:
+                follower.push(chunk.plan)
+            else:
+                pending.append((k + delay, chunk))
+        cmd = follower.next(k * CONTROL_PERIOD_S)
+        action = layout.start if cmd.action is None else cmd.action
+        if cmd.switched and chunk_of_tick and chunk_of_tick[-1] >= 0:
+            switches.append(k)
+        commands.append(np.array(action, dtype=np.float64))
+        chunk_of_tick.append(cmd.frame_index)
+        blending.append(cmd.status == "blending")
+        scene.step(action)
+        if scene.touching() == target:
+            return outcome(True, k + 1)
+    return outcome(False, steps)
+
+
+def command_windows(ep: DelayedEpisode) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per tick k >= 3: the jerk, mean over joints of |q[k] - 3 q[k-1] + 3 q[k-2] - q[k-3]| (the third
+    difference of the commanded positions, rad per tick^3), and whether its window q[k-3..k] is a
+    *boundary* window (its commands come from two chunks, or one is a blend of two) or a *within* window
+    (one chunk, unblended). Windows that include the start pose held before the first chunk are neither."""
+    q, src, mixed = ep.commands, ep.chunk_of_tick, ep.blending
+    jerk, boundary, within = [], [], []
+    for k in range(3, len(q)):
+        window = src[k - 3:k + 1]
+        jerk.append(float(np.abs(q[k] - 3 * q[k - 1] + 3 * q[k - 2] - q[k - 3]).mean()))
+        held = (window < 0).any()
+        one_chunk = (window == window[0]).all() and not mixed[k - 3:k + 1].any()
+        boundary.append(not held and not one_chunk)
+        within.append(not held and one_chunk)
+    return np.array(jerk), np.array(boundary, dtype=bool), np.array(within, dtype=bool)
+
+
+def execution_summary(episodes: list[DelayedEpisode]) -> dict:
+    jerks, boundary, within, steps = [], [], [], []
+    for ep in episodes:
+        j, b, w = command_windows(ep)
+        jerks.append(j)
+        boundary.append(b)
+        within.append(w)
+        played = ep.chunk_of_tick >= 0
+        both = played[1:] & played[:-1]       # consecutive commands from chunks (not the start pose)
+        if both.any():
+            steps.append(np.abs(np.diff(ep.commands, axis=0))[both].max())
+    j, b, w = (np.concatenate(x) if x else np.zeros(0) for x in (jerks, boundary, within))
+    ok = [ep.steps for ep in episodes if ep.success]
+    return {
+        "success_rate": float(np.mean([ep.success for ep in episodes])),
+        "boundary_jerk": float(j[b].mean()) if b.any() else None,
+        "within_jerk": float(j[w].mean()) if w.any() else None,
+        "max_command_step": float(max(steps)) if steps else None,
+        "mean_steps_to_touch": float(np.mean(ok)) if ok else None,
+        "switches": int(sum(len(ep.switches) for ep in episodes)),
+        "rtc_guided_chunks": int(sum(d is not None for ep in episodes for d in ep.rtc_delays)),
+    }
+
+
+def delay_problems(delays, replan: int, horizon: int) -> list[str]:
+    """A chunk must arrive before the next one is computed, and play until the next one arrives."""
+    out = [f"delay {d} ticks must be >= 0" for d in delays if d < 0]
+    if max(delays) > replan:
+        out.append(f"delays up to {max(delays)} ticks need a re-plan period (--replan) >= {max(delays)}")
+    if max(delays) + replan > horizon:
+        out.append(f"delay + re-plan period must fit the chunk ({horizon} rows), got {max(delays)} + {replan}")
+    return out
+
+
+def evaluate_execution(episodes: int, seed: int = 1000, steps: int = 210, replan: int = 10,
+                       delays=EXECUTION_DELAYS, executions=EXECUTIONS, blend_steps: int = 5,
+                       settings: RtcSettings = RtcSettings(), checkpoint: Path | None = None,
+                       traces: dict | None = None, log=print) -> dict:
+    """Every (execution, delay) on the same seeded episodes and chunk noise as `evaluate`. `traces`: filled
+    with the first episode's DelayedEpisode per (execution, delay) (scripts/rtc_switch_plot.py)."""
+    cfg = model_config("demo")
+    problems = delay_problems(delays, replan, cfg.action_horizon)
+    if problems:
+        raise ValueError("; ".join(problems))
+    torch.set_num_threads(1)
+    checkpoint = Path(checkpoint or demo_checkpoint())
+    model = build_model(cfg, str(checkpoint))
+    engines = {(e, d): DelayedEngine(model, checkpoint, e, d, settings) for e in executions for d in delays}
+    scene = ReachScene(cfg.vision.image_size)
+    results = {(e, d): [] for e in executions for d in delays}
+    start = time.monotonic()
+    for ep in range(episodes):
+        rng = np.random.default_rng([seed, ep])             # as `evaluate` draws episode ep
+        layout = Layout.random(rng)
+        target = int(rng.integers(len(layout.colours)))
+        prompt = task_prompt(layout.colours[target])
+        noise_seed = int(rng.integers(2**31))
+        for (e, d), rs in results.items():
+            rs.append(run_delayed_episode(scene, layout, target, engines[(e, d)], prompt, noise_seed, steps, replan,
+                                          d, e, blend_steps))
+            if traces is not None and ep == 0:
+                traces[(e, d)] = rs[-1]
+        log(f"[eval execution] episode {ep + 1}/{episodes}: {prompt!r} "
+            + " ".join(f"{e}@{d}={'ok' if rs[-1].success else 'FAIL'}" for (e, d), rs in results.items()))
+    scene.close()
+    return {
+        "episodes": episodes, "seed": seed, "steps": steps, "replan": replan, "control_hz": 70,
+        "blend_steps": blend_steps,
+        "rtc": {"schedule": settings.schedule, "max_guidance": settings.max_guidance,
+                "execution_horizon": settings.execution_horizon or cfg.action_horizon,
+                "correction": settings.correction},
+        "execution": {e: {str(d): execution_summary(results[(e, d)]) for d in delays} for e in executions},
+        "jerk_unit": "rad per tick^3 (mean over joints of |third difference| of commanded positions)",
+        "wall_s": round(time.monotonic() - start, 1),
+        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread",
+    }
+
+
 # ---------------------------------------------------------------------------------------------- ROS path
 
 _OUTCOME = re.compile(r"episode (\d+): '([^']*)': (?:touched in ([\d.]+) s|timed out ([\d.]+) cm away)")
 _ANSWERS = re.compile(r"\[converse\] .*; (\d+)/(\d+) right\]")
 
 
-def _ros_params(seed: int, episode_s: float, checkpoint: Path | None) -> Path:
-    """A parameters file for the bringup: the robot's episode seed and length, optionally other weights."""
-    text = f"oxygen_sim_robot:\n  ros__parameters:\n    seed: {seed}\n    episode_s: {episode_s}\n"
+def _ros_params(seed: int, episode_s: float, checkpoint: Path | None, execution: str | None = None) -> Path:
+    """A parameters file for the bringup: the robot's episode seed and length, optionally other weights and
+    how chunks take over (execution_params)."""
+    nodes: dict[str, dict] = {"oxygen_sim_robot": {"seed": seed, "episode_s": episode_s}}
     if checkpoint is not None:
         checkpoint = Path(checkpoint).resolve()
-        text += (f"oxygen_engine:\n  ros__parameters:\n    checkpoint: '{checkpoint}'\n"
-                 f"    norm_stats: '{checkpoint / 'norm_stats.json'}'\n")
+        nodes["oxygen_engine"] = {"checkpoint": str(checkpoint), "norm_stats": str(checkpoint / "norm_stats.json")}
+    for node, params in execution_params(execution).items():
+        nodes.setdefault(node, {}).update(params)
     fd, path = tempfile.mkstemp(prefix="oxygen_eval_ros_", suffix=".yaml")
     with os.fdopen(fd, "w") as f:
-        f.write(text)
+        yaml.safe_dump({node: {"ros__parameters": params} for node, params in nodes.items()}, f)
     return Path(path)
 
 
+def execution_params(execution: str | None, blend_steps: int = 5) -> dict[str, dict]:
+    """Node parameters for a way of taking chunks over (None: the demo's configuration, naive)."""
+    if execution is None:
+        return {}
+    out = {"oxygen_action": {"execution": execution, "blend_steps": blend_steps if execution == "blend" else 0}}
+    if execution == "rtc":
+        out["oxygen_engine"] = {"rtc": True}
+    return out
+
+
 def evaluate_ros(episodes: int, seed: int = 1000, steps: int = 210, checkpoint: Path | None = None,
-                 domain: int | None = None, startup_timeout_s: float = 120.0, log=print) -> dict:
+                 domain: int | None = None, startup_timeout_s: float = 120.0, log=print,
+                 execution: str | None = None) -> dict:
     """Run the demo bringup until its robot has finished `episodes` episodes; their outcomes and the
-    demo client's answers, as the simulator and the client judged them."""
+    demo client's answers, as the simulator and the client judged them. `execution`: how the action
+    publisher takes new chunks over (rtc: with the engine's real-time chunking; None: as configured)."""
     episode_s = steps * CONTROL_PERIOD_S
-    params = _ros_params(seed, episode_s, checkpoint)
+    params = _ros_params(seed, episode_s, checkpoint, execution)
     domain = domain if domain is not None else 1 + os.getpid() % 100
     env = dict(os.environ, ROS_DOMAIN_ID=str(domain), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "oxygen_ros.bringup", "--demo", "--params-file", str(params)],
@@ -280,6 +486,7 @@ def evaluate_ros(episodes: int, seed: int = 1000, steps: int = 210, checkpoint: 
     ok = [o["seconds"] for o in outcomes if o["success"]]
     return {
         "path": "ros", "episodes": episodes, "seed": seed, "steps": steps, "control_hz": 70,
+        "execution": execution or "as configured",
         "success_rate": float(np.mean([o["success"] for o in outcomes])),
         "mean_s_to_touch": float(np.mean(ok)) if ok else None,
         "failures_final_distance_cm": sorted(o["distance_cm"] for o in outcomes if not o["success"]),
@@ -289,6 +496,52 @@ def evaluate_ros(episodes: int, seed: int = 1000, steps: int = 210, checkpoint: 
         "wall_s": round(time.monotonic() - start, 1),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, engine 1 torch thread",
     }
+
+
+def add_execution_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("execution under delay (issue #22, docs/rtc.md)")
+    g.add_argument("--delay-ticks", default=None, help="comma-separated delays in ticks (default "
+                   f"{','.join(map(str, EXECUTION_DELAYS))}): a chunk observed at tick t is first used at t + d")
+    g.add_argument("--execution", default=None, help=f"comma-separated, of {', '.join(EXECUTIONS)} (default all)")
+    g.add_argument("--blend-steps", type=int, default=5, help="ticks of linear blending (execution blend)")
+    g.add_argument("--rtc-schedule", default=rtc.DEFAULT_SCHEDULE, choices=rtc.SCHEDULES)
+    g.add_argument("--rtc-beta", type=float, default=rtc.DEFAULT_MAX_GUIDANCE, help="guidance weight clip")
+    g.add_argument("--rtc-horizon", type=int, default=0,
+                   help="row where the RTC weights end (LeRobot's execution_horizon; 0: the chunk's horizon, "
+                        "cut to the previous chunk's remaining rows)")
+    g.add_argument("--rtc-correction", default="vjp", choices=rtc.CORRECTIONS,
+                   help="vjp: the paper's; error: LeRobot 0.6.1's (the model's Jacobian dropped)")
+
+
+def execution_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    try:
+        delays = tuple(int(d) for d in (a.delay_ticks or ",".join(map(str, EXECUTION_DELAYS))).split(","))
+    except ValueError:
+        p.error(f"--delay-ticks must be comma-separated integers, got {a.delay_ticks!r}")
+    executions = tuple((a.execution or ",".join(EXECUTIONS)).split(","))
+    problems = [f"--execution {e!r} is not one of {', '.join(EXECUTIONS)}" for e in executions if e not in EXECUTIONS]
+    if not a.ros:
+        problems += delay_problems(delays, a.replan, model_config("demo").action_horizon)
+    if a.ros and (a.delay_ticks is not None or len(executions) != 1 or a.replan != 10 or a.strip):
+        problems.append("--ros takes one --execution and no --delay-ticks, --replan or --strip: through the real "
+                        "nodes the delay and the re-planning are the engine's own")
+    if a.blend_steps < 1 and "blend" in executions:
+        problems.append(f"--blend-steps {a.blend_steps} must be >= 1 for execution blend")
+    if not a.rtc_beta > 0 or a.rtc_horizon < 0:
+        problems.append(f"--rtc-beta {a.rtc_beta} must be > 0 and --rtc-horizon {a.rtc_horizon} >= 0")
+    if problems:
+        p.error("; ".join(problems))
+    if a.ros:
+        out = evaluate_ros(a.episodes, a.seed, a.steps, a.checkpoint, execution=executions[0])
+    else:
+        out = evaluate_execution(a.episodes, a.seed, a.steps, a.replan, delays, executions, a.blend_steps,
+                                 RtcSettings(a.rtc_schedule, a.rtc_beta, a.rtc_horizon, a.rtc_correction),
+                                 a.checkpoint)
+    text = json.dumps(out, indent=1)
+    if a.json:
+        a.json.write_text(text + "\n")
+    print(text)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,9 +556,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strip", type=Path, default=None, help="PNG: frames of the first episode (README picture)")
     p.add_argument("--ros", action="store_true",
                    help="through oxygen_bringup --demo and the simulated robot node (ROS 2), in wall time")
+    add_execution_arguments(p)
     a = p.parse_args(argv)
     if a.episodes < 1 or a.steps < 1 or a.replan < 1:
         p.error(f"--episodes {a.episodes}, --steps {a.steps} and --replan {a.replan} must be positive")
+    if a.delay_ticks is not None or a.execution is not None:
+        return execution_main(p, a)
     if a.ros and (a.strip or a.replan != 10 or a.policies != ",".join(POLICIES)):
         p.error("--ros runs the demo bringup as configured (config/demo.yaml): --strip, --replan and --policies "
                 "apply to the in-process evaluation only")

@@ -48,8 +48,8 @@ def publisher(ros, engine_factory):
     recorded (through the real rclpy publish, which checks the message type)."""
     from oxygen_ros.nodes.action_publisher import ActionPublisher
 
-    def make(inputs_fresh=None, **params):
-        engine = engine_factory()
+    def make(inputs_fresh=None, engine_config: dict | None = None, **params):
+        engine = engine_factory(**(engine_config or {}))
         node = ros.add(ActionPublisher(engine, inputs_fresh=inputs_fresh, context=ros.context,
                                        parameter_overrides=[Parameter(k, value=v) for k, v in params.items()]))
         node.clock = SimClock(100.0)
@@ -104,6 +104,42 @@ def test_a_tick_before_the_chunk_stamp_plays_row_0_and_sends_the_whole_trajector
     assert len(msg.points) == 10 and msg.points[0].positions[0] == pytest.approx(0.01)
     first = msg.points[0].time_from_start
     assert first.sec + first.nanosec * 1e-9 == pytest.approx(0.5 * DT, abs=1e-6)
+
+
+@pytest.mark.parametrize("execution, blend_steps, statuses", [
+    ("rtc", 0, ["ok", "ok", "ok"]), ("naive", 0, ["ok", "ok", "ok"]), ("blend", 2, ["blending", "blending", "ok"])])
+def test_execution_decides_how_a_new_chunk_takes_over(publisher, execution, blend_steps, statuses):
+    """rtc (like naive) plays a new chunk at its row for now from the tick it arrives, unblended; blend mixes
+    the old chunk in over blend_steps ticks."""
+    node = publisher(execution=execution, blend_steps=blend_steps, engine_config=dict(rtc=execution == "rtc"))
+    assert node.follower.execution == execution
+    node._on_chunk(chunk(100.0, 1))
+    tick_at(node, 100.0 + 2 * DT)
+    node._on_chunk(chunk(100.0 + DT, 2, start=1.0))       # computed from an observation a row later
+    sent = [tick_at(node, 100.0 + (3 + k) * DT)[0].data[0] for k in range(3)]
+    new_rows = [1.0 + 0.01 * (k + 3) for k in range(3)]  # rows 2, 3, 4 of the new chunk: 1 + 0.01 (k + 1)
+    if execution == "blend":
+        assert sent[0] == pytest.approx((2 / 3) * 0.04 + (1 / 3) * new_rows[0])
+    else:
+        assert sent == pytest.approx(new_rows)
+    assert node.last_status == statuses[-1]
+
+
+def test_execution_settings_are_refused_together(ros, engine_factory):
+    from oxygen_ros.nodes.action_publisher import ActionPublisher
+    from oxygen_ros.nodes.params import ParameterError
+
+    overrides = [Parameter("execution", value="rtc"), Parameter("blend_steps", value=3),
+                 Parameter("replan_steps", value=2)]
+    with pytest.raises(ParameterError) as refused:
+        ActionPublisher(engine_factory(), context=ros.context, parameter_overrides=overrides)
+    assert "blend_steps 3 applies to execution 'blend' only" in str(refused.value)
+    assert "execution 'rtc' takes a chunk over when it arrives" in str(refused.value)
+    with pytest.raises(ParameterError, match="execution 'rtc' plays chunks the engine guided: turn on"):
+        ActionPublisher(engine_factory(), context=ros.context, parameter_overrides=[Parameter("execution", value="rtc")])
+    bad = [Parameter("execution", value="smooth")]
+    with pytest.raises(ParameterError, match=r"oxygen_action.execution = 'smooth': must be one of \['naive'"):
+        ActionPublisher(engine_factory(), context=ros.context, parameter_overrides=bad)
 
 
 def test_joint_state_output_names_every_joint(publisher):

@@ -89,7 +89,7 @@ def test_stop_returns_no_action():
 
 
 def test_blending_ramps_from_the_old_chunks_row_for_the_same_time():
-    follower = ChunkFollower(blend_steps=3)
+    follower = ChunkFollower(execution="blend", blend_steps=3)
     follower.push(plan(1, t0=0.0, rows=50))  # row k = k
     follower.next(0.1)
     follower.push(plan(2, t0=0.1, rows=50, offset=100.0))  # row k = 100 + k
@@ -109,7 +109,7 @@ def test_blending_ramps_from_the_old_chunks_row_for_the_same_time():
 
 
 def test_no_blend_when_the_old_chunk_no_longer_covers_now():
-    follower = ChunkFollower(blend_steps=3)
+    follower = ChunkFollower(execution="blend", blend_steps=3)
     follower.push(plan(1, t0=0.0, rows=4))  # covers up to 0.08
     follower.push(plan(2, t0=0.2, offset=100.0))
     cmd = follower.next(0.2)
@@ -118,7 +118,7 @@ def test_no_blend_when_the_old_chunk_no_longer_covers_now():
 
 
 def test_chunk_arriving_mid_blend_blends_from_the_chunk_being_blended_in():
-    follower = ChunkFollower(blend_steps=2)
+    follower = ChunkFollower(execution="blend", blend_steps=2)
     follower.push(plan(1, t0=0.0, rows=50))
     follower.push(plan(2, t0=0.0, rows=50, offset=100.0))
     assert follower.next(0.0).status == "blending"
@@ -129,7 +129,7 @@ def test_chunk_arriving_mid_blend_blends_from_the_chunk_being_blended_in():
 
 
 def test_blend_stops_when_the_new_chunk_is_exhausted():
-    follower = ChunkFollower(blend_steps=5, on_exhausted="hold")
+    follower = ChunkFollower(execution="blend", blend_steps=5, on_exhausted="hold")
     follower.push(plan(1, t0=0.0, rows=50))
     follower.push(plan(2, t0=0.0, rows=2, offset=100.0))
     assert follower.next(0.0).status == "blending"
@@ -177,7 +177,7 @@ def test_follower_errors():
     with pytest.raises(ConfigError, match="on_exhausted 'drift' must be 'hold' or 'stop'"):
         ChunkFollower(on_exhausted="drift")
     with pytest.raises(ConfigError, match="blend_steps -1 must be >= 0"):
-        ChunkFollower(blend_steps=-1)
+        ChunkFollower(execution="blend", blend_steps=-1)
 
 
 # --- trajectory ----------------------------------------------------------------------------------

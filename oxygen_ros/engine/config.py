@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from oxygen_ros.model import rtc as rtc_fns
+
 POLICIES = ("isolated", "shared_kv", "oxygen")
 
 
@@ -67,6 +69,25 @@ class EngineConfig:
     subtask_template: str = setting("{task}. Subtask:", "Prompt that asks for the subtask.", ros=False)
     action_task_template: str = setting("{task}. Subtask: {subtask}", "Action prompt in subtask mode.", ros=False)
     subtask_max_tokens: int = setting(12, "Longest subtask text in tokens.", minimum=1)
+    # Real-time chunking (docs/rtc.md): the chunk of a robot whose publisher plays execution 'rtc'.
+    rtc: bool = setting(False, "Real-time chunking: guide each robot's new chunk to continue the chunk its "
+                               "publisher plays while it is computed (action publisher execution: rtc). Off until "
+                               "measured better (docs/rtc.md).")
+    rtc_schedule: str = setting(rtc_fns.DEFAULT_SCHEDULE, "RTC weights of the playing chunk's rows: 1 for the rows "
+                                "that play while the chunk computes, then decaying (exp, linear) to 0 at "
+                                "rtc_execution_horizon; ones: 1 up to it; zeros: those rows only.",
+                                choices=rtc_fns.SCHEDULES)
+    rtc_max_guidance: float = setting(rtc_fns.DEFAULT_MAX_GUIDANCE, "RTC guidance weight clip (beta; the "
+                                                                   "paper's 5).", minimum=0.1, maximum=100.0)
+    rtc_execution_horizon: int = setting(0, "Row where the RTC weights end (the paper's H - s, LeRobot's "
+                                            "execution_horizon; 0: the chunk's horizon). Cut to the playing "
+                                            "chunk's remaining rows.", minimum=0)
+    rtc_correction: str = setting("vjp", "RTC correction: vjp (the paper's: a backward pass through the action "
+                                         "expert per step) or error (LeRobot 0.6.1's: no backward pass).",
+                                  choices=rtc_fns.CORRECTIONS)
+    rtc_delay_rows: int | None = setting(None, "RTC delay in rows for every robot (None: predicted per robot "
+                                               "from its measured latency; tasks/actions.py).", minimum=0,
+                                         ros=False)
     max_consecutive_faults: int = setting(5, "Faulty frames in a row that trip the safe stop.", minimum=1)
     seed: int = setting(0, "Seed of the flow-matching noise and of the random demo weights.")
     # None: on when the model runs the Triton kernels on CUDA. True on the CPU replays the same fixed-shape

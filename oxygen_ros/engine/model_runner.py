@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from oxygen_ros.model import rtc
 from oxygen_ros.model.attention import ActionAttention, CachedAttention, CachedRow, Segment
 from oxygen_ros.model.pi05 import Pi05, PrefixRow
 
@@ -123,20 +124,51 @@ class ModelRunner:
         return frame
 
     @torch.inference_mode()
-    def actions(self, frames: list[FrameCache], noise: torch.Tensor, steps: int | None = None) -> list[np.ndarray | EngineFault]:
+    def actions(self, frames: list[FrameCache], noise: torch.Tensor, steps: int | None = None,
+                guides: list[rtc.RowGuide | None] | None = None, max_guidance: float = rtc.DEFAULT_MAX_GUIDANCE,
+                correction: str = "vjp") -> list[np.ndarray | EngineFault]:
         """Model-space action chunks [H, action_dim] (float32) of several frames, denoised together (noise
-        [R, H, action_dim], one row per frame). A chunk with non-finite values comes back as an EngineFault."""
+        [R, H, action_dim], one row per frame). A chunk with non-finite values comes back as an EngineFault.
+        guides: per frame, real-time chunking toward its robot's previous chunk (model/rtc.py), or None; with
+        the guidance weight clip `max_guidance` (beta) and the `correction` ("vjp": the paper's; "error":
+        LeRobot 0.6.1's). Frames without an active guide are denoised exactly as without guides (as their
+        own batch)."""
         steps = steps or self.cfg.num_denoise_steps
-        if len(frames) == 1:
-            x = self._denoise(frames[0].segment, noise.reshape(1, *noise.shape[-2:]), steps)
-        else:   # the fixed-shape (graph) loops are batch 1: several frames run the eager batched loop
-            attn = ActionAttention(self.pool.kv, [f.segment for f in frames], noise.shape[-2], self.backend,
-                                   self.model.device)
-            x = self.model.sample_actions(noise, attn, steps)
+        noise = noise.reshape(len(frames), *noise.shape[-2:])
+        guided = rtc.guided_rows(guides)
+        if not guided:
+            x = self._sample(frames, noise, steps)
+        else:
+            plain = [i for i in range(len(frames)) if i not in guided]
+            x = torch.empty(noise.shape, dtype=torch.float32, device=self.model.device)
+            if plain:
+                x[plain] = self._sample([frames[i] for i in plain], noise[plain], steps)
+            x[guided] = self._sample_guided([frames[i] for i in guided], noise[guided], steps,
+                                            rtc.Guidance.stack([guides[i] for i in guided], max_guidance,
+                                                               correction))
         x = x.cpu().numpy()
         return [x[i] if np.all(np.isfinite(x[i])) else
                 EngineFault(f"frame {f.frame_index}: the action expert produced non-finite actions")
                 for i, f in enumerate(frames)]
+
+    def _sample(self, frames: list[FrameCache], noise: torch.Tensor, steps: int) -> torch.Tensor:
+        if len(frames) == 1:
+            return self._denoise(frames[0].segment, noise, steps)
+        # the fixed-shape (graph) loops are batch 1: several frames run the eager batched loop
+        attn = ActionAttention(self.pool.kv, [f.segment for f in frames], noise.shape[-2], self.backend,
+                               self.model.device)
+        return self.model.sample_actions(noise, attn, steps)
+
+    def _sample_guided(self, frames: list[FrameCache], noise: torch.Tensor, steps: int,
+                       guidance: rtc.Guidance) -> torch.Tensor:
+        """RTC rows. The guidance is a vector-Jacobian product through the expert, so these rows run with
+        autograd on, outside inference mode (whose tensors autograd cannot save), eagerly on the torch
+        attention and norms whatever the runner's backend: the Triton kernels have no backward, and a
+        CUDA graph holds no autograd. The prefix K/V is read, never differentiated (it needs no gradient)."""
+        with torch.inference_mode(False):
+            attn = ActionAttention(self.pool.kv, [f.segment for f in frames], noise.shape[-2], "torch",
+                                   self.model.device)
+            return self.model.sample_actions(noise, attn, steps, guidance=guidance)
 
     def _denoise(self, prefix: Segment, noise: torch.Tensor, steps: int) -> torch.Tensor:
         loop = self.graphs.denoise_loop_for(prefix, noise.shape[-2], steps) if self.graphs is not None else None

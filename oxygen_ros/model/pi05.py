@@ -24,6 +24,7 @@ from torch import nn
 
 from oxygen_ros.kernels import ops as kernel_ops
 
+from . import rtc
 from .attention import ActionAttention, CachedAttention
 from .config import Pi05Config
 from .gemma import AdaRMSNorm, GemmaLayer, RMSNorm, rope_cos_sin
@@ -152,18 +153,22 @@ class Pi05(nn.Module):
         emb = torch.cat([torch.sin(arg), torch.cos(arg)], dim=1).to(t.dtype).to(self.time_mlp_in.weight.dtype)
         return F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(emb))))
 
-    def denoise_step(self, x_t: torch.Tensor, t: torch.Tensor, attn: ActionAttention) -> torch.Tensor:
-        """Velocity v [R, H, action_dim] (float32) of noisy actions x_t [R, H, action_dim] at times t [R]."""
+    def denoise_step(self, x_t: torch.Tensor, t: torch.Tensor, attn: ActionAttention,
+                     backend: str | None = None) -> torch.Tensor:
+        """Velocity v [R, H, action_dim] (float32) of noisy actions x_t [R, H, action_dim] at times t [R].
+        `backend`: the norms' and activation's implementation (default: the model's); RTC passes "torch",
+        whose operations autograd can differentiate."""
         c = self.cfg.expert
+        backend = backend or self.backend
         rows, horizon, _ = x_t.shape
         cond = self.time_condition(t)
         x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.dtype)
         x = x.reshape(rows * horizon, c.width)
         cos, sin = rope_cos_sin(attn.positions, c.head_dim, c.rope_theta, x.dtype)
         for i, layer in enumerate(self.expert_layers):
-            x = layer(x, cos, sin, attn.layer(i), cond=cond, token_rows=attn.token_rows, backend=self.backend)
+            x = layer(x, cos, sin, attn.layer(i), cond=cond, token_rows=attn.token_rows, backend=backend)
         scale, shift, _ = self.expert_norm.modulation(cond, attn.token_rows, x.dtype)  # its gate is unused
-        x = kernel_ops.ada_rms_norm(x, scale, shift, c.rms_eps, self.backend)
+        x = kernel_ops.ada_rms_norm(x, scale, shift, c.rms_eps, backend)
         return self.action_out_proj(x.float().to(self.action_out_proj.weight.dtype)).float().reshape(
             rows, horizon, -1)
 
@@ -182,13 +187,40 @@ class Pi05(nn.Module):
         return self._schedules[key]
 
     def sample_actions(self, noise: torch.Tensor, attn: ActionAttention, steps: int | None = None,
-                       record: list | None = None) -> torch.Tensor:
-        """Euler integration of the flow from noise (t = 1) to actions (t = 0), in `steps` steps."""
+                       record: list | None = None, guidance: rtc.Guidance | None = None) -> torch.Tensor:
+        """Euler integration of the flow from noise (t = 1) to actions (t = 0), in `steps` steps.
+
+        guidance: real-time chunking for every row (model/rtc.py). Each step's velocity is then the guided
+        one; its "vjp" correction is a vector-Jacobian product through the expert: autograd must be
+        available (not in inference mode) and `attn` must be the torch attention (the Triton kernels have
+        no backward); the norms run on the torch path too. Without guidance the loop is unchanged (and
+        captured as one CUDA graph)."""
         times, dt = self.flow_schedule(steps or self.cfg.num_denoise_steps)
         x = noise.float().to(self.device)
+        if guidance is not None:
+            return self._sample_guided(x, attn, times, dt, guidance, record)
         for i in range(times.shape[0]):
             v = self.denoise_step(x, times[i].expand(x.shape[0]), attn)
             if record is not None:
                 record.append((float(times[i]), x.clone(), v.clone()))
+            x = x + dt * v
+        return x
+
+    def _sample_guided(self, x: torch.Tensor, attn: ActionAttention, times: torch.Tensor, dt: torch.Tensor,
+                       guidance: rtc.Guidance, record: list | None) -> torch.Tensor:
+        if attn.backend != "torch":
+            raise ValueError(f"RTC guidance differentiates through the attention: it needs the torch attention, "
+                             f"got {attn.backend!r} (the Triton kernels have no backward)")
+        if guidance.target.shape != x.shape or guidance.weights.shape != x.shape[:2]:
+            raise ValueError(f"RTC guidance for {list(guidance.target.shape)} targets and "
+                             f"{list(guidance.weights.shape)} weights, the noise is {list(x.shape)}")
+        guidance = guidance.to(self.device)
+        x, dt = x.clone(), float(dt)        # copies made here, not in inference mode: autograd may save them
+        for t in times.tolist():            # the same float32 times as the plain loop, as Python floats
+            t_rows = torch.full((x.shape[0],), t, dtype=torch.float32, device=self.device)
+            v = rtc.guided_velocity(lambda z: self.denoise_step(z, t_rows, attn, backend="torch"), x, t,
+                                    guidance.target, guidance.weights, guidance.max_weight, guidance.correction)
+            if record is not None:
+                record.append((t, x.clone(), v.clone()))
             x = x + dt * v
         return x

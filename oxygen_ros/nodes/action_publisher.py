@@ -19,7 +19,7 @@ from std_srvs.srv import SetBool
 from trajectory_msgs.msg import JointTrajectory
 
 from oxygen_ros.engine.engine import ChunkResult, Engine
-from oxygen_ros.robot.chunks import ChunkFollower
+from oxygen_ros.robot.chunks import EXECUTIONS, ChunkFollower, execution_problems
 from oxygen_ros.robot.errors import InputError
 from oxygen_ros.robot.limits import ActionLimits
 from oxygen_ros.robot.rate import RateMeter
@@ -46,7 +46,12 @@ PARAMS = [
                              "rows), false where velocity-like (held for its row's control period). Empty: all held."),
     Param("replan_steps", 0, "Rows the current chunk plays before a newer chunk takes over (openpi's "
                              "open_loop_horizon / replan_steps; 0: at once).", minimum=0),
-    Param("blend_steps", 0, "Ticks over which a new chunk is blended in linearly.", minimum=0),
+    Param("execution", "naive", "How a new chunk takes over: naive (at once, at its row meant for now), blend "
+                                "(mixed in linearly over blend_steps ticks), rtc (at once, without blending: "
+                                "real-time chunking made it continue the playing chunk; docs/rtc.md).",
+          choices=EXECUTIONS),
+    Param("blend_steps", 0, "Ticks over which a new chunk is blended in linearly (execution blend only).",
+          minimum=0, maximum=1000),
     Param("on_exhausted", "hold", "Past the chunk's last row: hold it, or stop.", choices=("hold", "stop")),
     Param("hold_timeout_s", 1.0, "Longest hold before stopping anyway.", minimum=0.0),
     Param("on_stale", "stop", "Inputs stale (no camera/state): stop, or hold the last command.",
@@ -76,6 +81,12 @@ class ActionPublisher(Node):
         if abs(info.action_rate_hz - p["action_rate_hz"]) > 1e-9:
             problems.append(f"action_rate_hz {p['action_rate_hz']} differs from the engine's "
                             f"{info.action_rate_hz} (chunk rows would be mistimed)")
+        if p["execution"] in EXECUTIONS and p["blend_steps"] >= 0 and p["replan_steps"] >= 0:
+            # the combination (each value alone was checked by declare_all)
+            problems += execution_problems(p["execution"], p["blend_steps"], p["replan_steps"])
+        if p["execution"] == "rtc" and not engine.config.rtc:
+            problems.append("execution 'rtc' plays chunks the engine guided: turn on the engine's real-time "
+                            "chunking (oxygen_engine rtc: true)")
         try:
             self.limits = ActionLimits.from_config(dim, p["lower_limits"] or None, p["upper_limits"] or None,
                                                    p["max_velocity"] or None, 1.0 / p["action_rate_hz"])
@@ -84,8 +95,8 @@ class ActionPublisher(Node):
         if problems:
             raise ParameterError("\n".join(problems))
 
-        self.follower = ChunkFollower(p["blend_steps"], p["on_exhausted"], [bool(v) for v in p["interpolate"]],
-                                      p["replan_steps"])
+        self.follower = ChunkFollower(p["execution"], p["blend_steps"], p["on_exhausted"],
+                                      [bool(v) for v in p["interpolate"]], p["replan_steps"])
         self._incoming: ChunkResult | None = None
         self._incoming_lock = threading.Lock()
         self.enabled = p["start_enabled"]

@@ -12,6 +12,13 @@ u = (now - t0) / dt:
 Rows whose time passed during inference are skipped (latency alignment, in the chunk's own time base).
 `replan_steps` is openpi's open-loop horizon: a newer chunk takes over only once the current one has
 played that many rows (0: at once).
+
+How a newer chunk takes over (`execution`):
+- naive: at once, at its row meant for now (the jump between the two plans is the robot's);
+- blend: at once, mixed in linearly with the replaced chunk over `blend_steps` ticks (two plans averaged);
+- rtc: at once, at its row meant for now, without blending: the engine made it continue the chunk that was
+  playing while it computed (real-time chunking, docs/rtc.md), so nothing needs smoothing. The follower
+  plays it as naive; the mode tells the engine side to guide.
 """
 
 from __future__ import annotations
@@ -26,6 +33,26 @@ from .errors import ActionError, ConfigError
 _EPS = 1e-9  # now exactly on a row's time must select that row despite float rounding
 
 STATUSES = ("ok", "blending", "hold", "stopped", "no_chunk")
+EXECUTIONS = ("naive", "blend", "rtc")
+
+
+def execution_problems(execution: str, blend_steps: int, replan_steps: int) -> list[str]:
+    """Every inconsistency of the take-over settings, one line each (a node lists them all)."""
+    if execution not in EXECUTIONS:
+        return [f"execution {execution!r} must be one of {', '.join(EXECUTIONS)}"]
+    out = []
+    if blend_steps < 0:
+        out.append(f"blend_steps {blend_steps} must be >= 0")
+    elif execution == "blend" and blend_steps == 0:
+        out.append("execution 'blend' needs blend_steps >= 1")
+    elif execution != "blend" and blend_steps:
+        out.append(f"blend_steps {blend_steps} applies to execution 'blend' only (execution is '{execution}')")
+    if replan_steps < 0:
+        out.append(f"replan_steps {replan_steps} must be >= 0")
+    elif execution == "rtc" and replan_steps:
+        out.append(f"execution 'rtc' takes a chunk over when it arrives (the engine guided it to continue from "
+                   f"there): replan_steps must be 0, got {replan_steps}")
+    return out
 
 
 @dataclass
@@ -89,25 +116,26 @@ class TickCommand:
 class ChunkFollower:
     """Keeps the newest chunk and answers `next(now)` once per publish tick.
 
+    execution: how a newer chunk takes over, naive | blend | rtc (see the module docstring).
     interpolate: per action dimension, True where it is position-like (see the module docstring);
     None: every dimension held.
     replan_steps: rows the current chunk plays before a newer one takes over (0: at once); a newer
     chunk waits meanwhile, and a still newer one replaces it while it waits.
-    blend_steps: after a switch, the first blend_steps ticks output (1 - w) * old + w * new with
-    w = (i + 1) / (blend_steps + 1), `old` being the replaced chunk sampled at the same time, for as
+    blend_steps (execution blend): after a switch, the first blend_steps ticks output (1 - w) * old + w * new
+    with w = (i + 1) / (blend_steps + 1), `old` being the replaced chunk sampled at the same time, for as
     long as that chunk still covers it. A chunk arriving mid-blend blends from the chunk being blended
     in (the mixture itself is not a chunk).
     on_exhausted: past the last row's period, "hold" repeats it and "stop" returns action None.
     """
 
-    def __init__(self, blend_steps: int = 0, on_exhausted: str = "hold", interpolate=None,
-                 replan_steps: int = 0):
-        if blend_steps < 0:
-            raise ConfigError(f"blend_steps {blend_steps} must be >= 0")
+    def __init__(self, execution: str = "naive", blend_steps: int = 0, on_exhausted: str = "hold",
+                 interpolate=None, replan_steps: int = 0):
+        problems = execution_problems(execution, blend_steps, replan_steps)
         if on_exhausted not in ("hold", "stop"):
-            raise ConfigError(f"on_exhausted {on_exhausted!r} must be 'hold' or 'stop'")
-        if replan_steps < 0:
-            raise ConfigError(f"replan_steps {replan_steps} must be >= 0")
+            problems.append(f"on_exhausted {on_exhausted!r} must be 'hold' or 'stop'")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.execution = execution
         self.blend_steps = blend_steps
         self.on_exhausted = on_exhausted
         self.interpolate = None if interpolate is None or len(interpolate) == 0 else np.array(interpolate, bool)

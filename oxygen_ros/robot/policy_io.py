@@ -134,6 +134,12 @@ class PolicyIO:
     def control_period_s(self) -> float:
         return self.config.control_period_s
 
+    @property
+    def delta_dims(self) -> np.ndarray:
+        """Model action dimensions predicted as changes from the state (robot_actions adds the state back):
+        the robot config's delta_action_mask, or a LeRobot checkpoint's relative_mask."""
+        return self._delta
+
     # ------------------------------------------------------------------ in
     def image(self, slot: str, image: np.ndarray) -> torch.Tensor:
         """A camera image (uint8 [H, W, 3]) -> the model's pixels, float32 [3, size, size] in [-1, 1]."""

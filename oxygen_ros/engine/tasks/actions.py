@@ -4,15 +4,31 @@ All frames of a cycle are denoised together (one expert batch over their prefix 
 chunk goes back to its robot's units through that robot's policy I/O. A chunk that cannot be used (non-finite
 actions, a failing output transform) is a fault of its frame alone. Delivering a chunk makes it the robot's
 latest and hands it to the chunk listeners (the action publishers).
+
+Real-time chunking (config `rtc`, docs/rtc.md): a robot's publisher plays the chunk the engine delivered to
+it last, taking a new one over when it arrives, at its row meant for then. So each robot's new chunk is
+guided (model/rtc.py) toward that chunk's rows for the same times:
+- alignment: the playing chunk's row for the new observation's stamp (both stamps on the robot's clock)
+  is the new chunk's row 0; its delta dimensions are re-expressed relative to the new observation's state;
+- delay d, the rows that play before the new chunk takes over: `rtc_delay_rows` if set, else predicted
+  as ceil((wait + latency) / control period), with wait = cycle start - the observation's arrival at the
+  engine (known for this frame) and latency = the longest cycle-start-to-chunk time of the robot's last
+  LATENCY_WINDOW chunks (measured). Not counted: the observation's age on arrival (camera, transport:
+  another clock) and the publisher's wait for its next tick (< 1 period);
+- no guidance (plain denoising, bit for bit) without a playing chunk, when it has no row left for the new
+  chunk, or when d is 0 (nothing plays while the chunk computes).
 """
 from __future__ import annotations
 
+import collections
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
+from oxygen_ros.model import rtc
 from oxygen_ros.robot.chunks import ActionChunkPlan
 
 from ..config import EngineConfig
@@ -28,6 +44,19 @@ class ChunkResult:
     compute_s: float               # cycle start -> chunk ready (engine clock)
     prompt_truncated: int          # prompt tokens cut to fit the model's max_token_len
     robot: str = ""                # whose chunk (listeners get every robot's chunks)
+    rtc_delay_rows: int | None = None   # RTC: the delay it was guided with (None: plain denoising)
+
+
+LATENCY_WINDOW = 8      # chunks of a robot whose measured latency predicts its next RTC delay
+
+
+@dataclass(frozen=True)
+class _Played:
+    """A robot's last delivered chunk, with the state its delta actions are relative to (model units, not
+    normalised): what RTC continues."""
+
+    chunk: ChunkResult
+    model_state: np.ndarray
 
 
 class ActionsTask:
@@ -35,40 +64,89 @@ class ActionsTask:
                  clock: Callable[[], float], notify: Callable[[ChunkResult], None]):
         self.runner, self.config, self.stats, self.clock, self.notify = runner, config, stats, clock, notify
         self.latest: dict[str, ChunkResult] = {}      # per robot, its last delivered chunk
+        self._played: dict[str, _Played] = {}
+        self._latency: dict[str, collections.deque] = {}   # per robot, recent cycle start -> chunk ready (s)
 
     def chunks(self, frames: list[Frame], start: float,
                faults: list[tuple[Frame, str]]) -> list[tuple[Frame, ChunkResult]]:
-        """Denoise the frames' chunks together; a frame whose chunk is unusable goes to `faults`."""
+        """Denoise the frames' chunks together (with RTC: each guided by its robot's playing chunk); a frame
+        whose chunk is unusable goes to `faults`."""
+        c = self.config
         out = []
         noise = torch.stack([f.noise for f in frames])
-        for f, actions in zip(frames, self.runner.actions([f.cache for f in frames], noise,
-                                                          self.config.denoise_steps)):
+        guided = [self._guide(f, start) if c.rtc else (None, None) for f in frames]
+        rtc_args = dict(guides=[guide for guide, _ in guided], max_guidance=c.rtc_max_guidance,
+                        correction=c.rtc_correction) if c.rtc else {}
+        results = self.runner.actions([f.cache for f in frames], noise, c.denoise_steps, **rtc_args)
+        for f, actions, (_, delay) in zip(frames, results, guided):
             if isinstance(actions, EngineFault):
                 faults.append((f, str(actions)))
                 continue
             try:
-                out.append((f, self._chunk(f, actions, start)))
+                out.append((f, self._chunk(f, actions, start, delay)))
             except Exception as e:  # noqa: BLE001 - the robot's output transform failed: this frame only
                 faults.append((f, f"{type(e).__name__}: {e}"))
         return out
 
-    def _chunk(self, f: Frame, model_actions: np.ndarray, start: float) -> ChunkResult:
+    def _chunk(self, f: Frame, model_actions: np.ndarray, start: float, delay: int | None) -> ChunkResult:
         robot_actions = f.preparer.robot_actions(model_actions, f.prepared)
+        plan = ActionChunkPlan(robot_actions, f.prepared.stamp, self._step_s(f), f.index)
+        return ChunkResult(plan, model_actions, self.clock() - start, f.prepared.prompt_truncated, f.robot, delay)
+
+    def _step_s(self, f: Frame) -> float:
         # Rows are one control period apart (the rate the checkpoint was trained at); 0: one per publish tick.
-        step_s = f.preparer.io.control_period_s or 1.0 / self.config.action_rate_hz
-        plan = ActionChunkPlan(robot_actions, f.prepared.stamp, step_s, f.index)
-        return ChunkResult(plan, model_actions, self.clock() - start, f.prepared.prompt_truncated, f.robot)
+        return f.preparer.io.control_period_s or 1.0 / self.config.action_rate_hz
+
+    def _guide(self, f: Frame, start: float) -> tuple[rtc.RowGuide | None, int | None]:
+        """(guide, delay in rows) of a frame's chunk, or (None, None): see the module docstring."""
+        played = self._played.get(f.robot)
+        if played is None:
+            return None, None
+        previous, horizon, dim = played.chunk.model_actions, *played.chunk.model_actions.shape
+        offset = played.chunk.plan.row_at(f.prepared.stamp)
+        delay = self.delay_rows(f, start)
+        if not 0 <= offset < horizon or delay == 0:
+            return None, None
+        leftover = previous[offset:].astype(np.float64)
+        io, delta = f.preparer.io, f.preparer.io.delta_dims
+        if delta.size:
+            # un-normalisation is affine per dimension: its slope turns a change of state into model units
+            slope = (io.normalizer.unnormalize_actions(np.ones((1, dim)))
+                     - io.normalizer.unnormalize_actions(np.zeros((1, dim))))[0].astype(np.float64)
+            state = io.model_state(f.prepared.state)
+            if len(state) <= delta.max():
+                return None, None               # its robot_actions refuses this state: the frame's fault
+            leftover[:, delta] += (played.model_state[delta] - state[delta]) / slope[delta]
+        guide = rtc.row_guide(torch.as_tensor(leftover), delay, self.config.rtc_execution_horizon or horizon,
+                              horizon, dim, self.config.rtc_schedule)
+        return (guide, delay) if guide.active else (None, None)
+
+    def delay_rows(self, f: Frame, start: float) -> int:
+        """Rows of the playing chunk that play before this frame's chunk takes over (module docstring)."""
+        if self.config.rtc_delay_rows is not None:
+            return self.config.rtc_delay_rows
+        step_s = self._step_s(f)
+        arrival = f.deadline - self.runner.cfg.action_horizon * step_s   # deadline = arrival + H rows
+        recent = self._latency.get(f.robot)
+        latency = max(recent) if recent else 0.0
+        return max(0, math.ceil((start - arrival + latency) / step_s - 1e-9))
 
     def deliver(self, f: Frame, chunk: ChunkResult) -> None:
         if chunk.prompt_truncated:
             self.stats.count("prompts_truncated")
+        if chunk.rtc_delay_rows is not None:
+            self.stats.count("rtc_guided_chunks")
         self.stats.record_chunk(f.robot, chunk.compute_s, self.clock() > f.deadline)
         self.latest[f.robot] = chunk
+        self._played[f.robot] = _Played(chunk, f.preparer.io.model_state(f.prepared.state))
+        self._latency.setdefault(f.robot, collections.deque(maxlen=LATENCY_WINDOW)).append(chunk.compute_s)
         self.notify(chunk)
 
     def forget(self, robot: str | None = None) -> None:
-        """Drop a robot's latest chunk (every robot's: the safe stop), so that nobody plays it on."""
+        """Drop a robot's latest chunk (every robot's: the safe stop), so that nobody plays it on (and RTC
+        continues nothing)."""
         if robot is None:
-            self.latest = {}
+            self.latest, self._played, self._latency = {}, {}, {}
         else:
-            self.latest.pop(robot, None)
+            for d in (self.latest, self._played, self._latency):
+                d.pop(robot, None)
