@@ -51,7 +51,11 @@ def base_engine(robot: str, norm_stats=None, image_size: int = 56, **engine_cfg)
 
 @contextmanager
 def served(robot: str, *, run_engine: bool = True, base=None, **options):
-    server = openpi_server(base or base_engine(robot), LAYOUTS[robot], ServeOptions(port=0, **options))
+    """As oxygen_serve does: the engine built for the robot config, its robot "" the clients' template."""
+    engine = base or base_engine(robot)
+    template = engine.preparer
+    engine.remove_robot("")
+    server = openpi_server(engine, LAYOUTS[robot], ServeOptions(port=0, **options), template)
     if run_engine:
         server.engine.start()
     server.start()
@@ -143,7 +147,8 @@ def test_policy_io_through_the_socket_is_openpi_exact_on_case_e():
         engine.add_frame_listener(lambda index, obs: seen.append(obs))
         engine.start()
         state = inputs["state"]
-        out = client(server).infer({
+        policy = client(server)
+        out = policy.infer({
             "observation/exterior_image_1_left": inputs["image_base_0_rgb"],
             "observation/wrist_image_left": inputs["image_left_wrist_0_rgb"],
             "observation/joint_position": state[:7], "observation/gripper_position": state[7:],
@@ -276,7 +281,8 @@ def test_language_on_the_socket():
 
 def test_a_client_that_goes_frees_its_slot_and_ends_its_requests():
     """Capacity 1. The client's question and observation are in flight (the engine is stepped by hand) when
-    it disconnects: its request is cancelled, its slot freed, and the next client is served."""
+    it disconnects: its robot is removed from the engine (its request ends, its pending frame is dropped),
+    its slot freed, and the next client is served."""
     rng = np.random.default_rng(6)
     with served("droid", run_engine=False, max_clients=1) as server:
         engine = server.engine
@@ -296,9 +302,9 @@ def test_a_client_that_goes_frees_its_slot_and_ends_its_requests():
             assert time.monotonic() < deadline, "the slot was not freed"
             time.sleep(0.01)
         (handle,) = handles
-        engine.run_frames()                                         # the cancelled request ends here
-        assert handle.done() and handle.result().finish_reason == "cancelled"
+        assert handle.done() and "client disconnected" in handle.result().error      # ended with the client
         assert not engine.active_requests and not engine.queued_requests
+        assert engine.robots == () and not server.hub.in_flight()
         engine.start()
         assert client(server).infer(droid_obs(rng))["actions"].shape == (15, 8)
 

@@ -163,8 +163,12 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(base, layout, options: ServeOptions) -> int:
     from .server import openpi_server
 
+    # The engine node built the engine for the robot config as its robot "": that robot's frame preparation
+    # is the template of every client's; the robot itself would only sit idle.
+    template = base.preparer
+    base.remove_robot("", "oxygen_serve serves clients only")
     try:
-        server = openpi_server(base, layout, options)
+        server = openpi_server(base, layout, options, template)
     except ValueError as e:
         print(f"oxygen_serve: {e}", file=sys.stderr)
         return 2

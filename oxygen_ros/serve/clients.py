@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from oxygen_ros.engine.engine import ChunkResult, Engine
@@ -162,41 +163,36 @@ def _resolve(ticket: Ticket, outcome) -> None:
         pass
 
 
-@dataclass
 class ClientSlots:
-    """Where clients live in the engine. Until the engine adds and removes robots at run time, the engine is
-    built with `capacity` client robots (openpi_0, openpi_1, ...) and a client takes a free one."""
+    """Clients as robots of the engine: a robot (openpi_<n>, n counting connections) is added when a client
+    connects, with the served robot config's policy I/O, and removed when it goes (its pending frame is
+    dropped, its requests end)."""
 
-    engine: Engine
-    capacity: int
-    _free: list[str] = field(default_factory=list)
-
-    def __post_init__(self):
-        self._free = [r for r in self.engine.robots if r.startswith(CLIENT_PREFIX)][:self.capacity]
+    def __init__(self, engine: Engine, template: FramePreparer, capacity: int,
+                 on_error: Callable[[str, str], None]):
+        self.engine, self.template, self.capacity, self._on_error = engine, template, capacity, on_error
+        self._clients: set[str] = set()
+        self._count = itertools.count()
         self._lock = threading.Lock()
-
-    @staticmethod
-    def build_engine(base: Engine, capacity: int, on_error: Callable[[str, str], None]) -> Engine:
-        """An engine on `base`'s model, pool and settings serving `capacity` client robots with `base`'s
-        first robot's policy I/O."""
-        template = base.preparers[base.robots[0]]
-        names = [f"{CLIENT_PREFIX}{i}" for i in range(capacity)]
-        return Engine(base.runner, {n: ClientPreparer(template, n, on_error) for n in names}, base.tokenizer,
-                      base.config, base.clock)
 
     @property
     def in_use(self) -> int:
         with self._lock:
-            return self.capacity - len(self._free)
+            return len(self._clients)
 
     def acquire(self) -> str | None:
-        """A robot name for a new client, or None when `capacity` clients are connected."""
+        """The robot name of a new client, or None when `capacity` clients are connected. ValueError when the
+        engine cannot take one more robot (its KV pool)."""
         with self._lock:
-            return self._free.pop(0) if self._free else None
+            if len(self._clients) >= self.capacity:
+                return None
+            name = f"{CLIENT_PREFIX}{next(self._count)}"
+            self.engine.add_robot(name, ClientPreparer(self.template, name, self._on_error))
+            self._clients.add(name)
+            return name
 
     def release(self, robot: str, reason: str) -> None:
-        """The client is gone: its robot is free again. (Its queued language requests are cancelled by its
-        session; an observation still pending is computed once and its chunk dropped.)"""
         with self._lock:
-            if robot not in self._free:
-                self._free.append(robot)
+            if robot in self._clients:
+                self._clients.discard(robot)
+                self.engine.remove_robot(robot, reason)

@@ -41,6 +41,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.frames import CloseCode
 
 from oxygen_ros.engine.engine import Engine
+from oxygen_ros.engine.frames import FramePreparer
 from oxygen_ros.engine.requests import Reply, Sampling, TextRequest
 from oxygen_ros.robot.errors import InputError
 
@@ -83,23 +84,28 @@ class ClientGone(Exception):
     pass
 
 
-def openpi_server(base: Engine, layout: Layout, options: ServeOptions = ServeOptions()) -> "OpenpiServer":
-    """The server for `base`'s model and settings, its clients with `base`'s first robot's policy I/O (the
-    robot config served). The returned server's engine is not started yet."""
-    hub: EngineHub | None = None
-    engine = ClientSlots.build_engine(base, options.max_clients, lambda robot, message: hub.fail(robot, message))
+class RequestFailed(Exception):
+    """A question the engine refused or could not answer: the text says why."""
+
+
+def openpi_server(engine: Engine, layout: Layout, options: ServeOptions = ServeOptions(),
+                  template: FramePreparer | None = None) -> "OpenpiServer":
+    """The server for `engine`: each client becomes a robot of it with `template`'s policy I/O (default: the
+    engine's first robot's, i.e. the robot config it was built with)."""
     hub = EngineHub(engine)
-    return OpenpiServer(engine, ClientSlots(engine, options.max_clients), hub, layout, options)
+    slots = ClientSlots(engine, template or engine.preparer, options.max_clients, hub.fail)
+    return OpenpiServer(engine, slots, hub, layout, options)
 
 
 class OpenpiServer:
     def __init__(self, engine: Engine, slots: ClientSlots, hub: EngineHub, layout: Layout,
                  options: ServeOptions = ServeOptions()):
         problems = options.problems()
-        missing = [s for s in layout.slots if s not in engine.info.camera_slots]
+        model_slots = slots.template.cfg.camera_slots
+        missing = [s for s in layout.slots if s not in model_slots]
         if missing:
             problems.append(f"the {layout.name} layout feeds camera slots {missing} the model does not have "
-                            f"({', '.join(engine.info.camera_slots)})")
+                            f"({', '.join(model_slots)})")
         if problems:
             raise ValueError("; ".join(problems))
         self.engine, self.slots, self.hub, self.layout, self.options = engine, slots, hub, layout, options
@@ -181,7 +187,12 @@ class OpenpiServer:
 
     # ------------------------------------------------------------------ a connection
     async def _handle(self, ws: ServerConnection) -> None:
-        robot = self.slots.acquire()
+        try:
+            robot = self.slots.acquire()
+        except ValueError as e:     # the engine cannot take one more robot (its KV pool)
+            log.warning("refused a client: %s", e)
+            await ws.close(CloseCode.TRY_AGAIN_LATER, str(e)[:120])
+            return
         if robot is None:           # another client took the last slot after this one's handshake
             await ws.close(CloseCode.TRY_AGAIN_LATER, self._full().strip())
             return
@@ -211,7 +222,7 @@ class OpenpiServer:
             except websockets.ConnectionClosed:
                 pass
         finally:
-            session.end(reason)
+            session.end()
             self.slots.release(robot, reason)
             log.info("client %s gone (%s)", robot, reason)
 
@@ -223,7 +234,6 @@ class ClientSession:
         self.server, self.ws, self.robot = server, ws, robot
         self.engine, self.hub, self.layout, self.options = server.engine, server.hub, server.layout, server.options
         self.newest = None                       # the last observation it sent (questions are about it)
-        self._handles = set()                    # its language requests in flight
         self._closed = asyncio.ensure_future(ws.wait_closed())
         self._prev_total_ms: float | None = None
 
@@ -236,7 +246,7 @@ class ClientSession:
                 reply = await self._ask(message, start)
             else:
                 reply = await self._infer(message, start)
-        except (ProtocolError, InputError, FrameFailed) as e:
+        except (ProtocolError, InputError, FrameFailed, RequestFailed) as e:
             return f"{type(e).__name__}: {e}"
         reply["server_timing"]["infer_ms"] = 1e3 * (time.monotonic() - start)
         if self._prev_total_ms is not None:
@@ -311,23 +321,18 @@ class ClientSession:
         replied = loop.create_future()
         handle = self.engine.submit(request)          # before its frame, so that the frame's cycle admits it
         if handle.done():                              # refused at once: no frame needed to say why
-            raise InputError(f"question refused: {handle.result().error}")
-        self._handles.add(handle)
+            raise RequestFailed(f"question refused: {handle.result().error}")
         handle.add_done_callback(lambda r: loop.call_soon_threadsafe(_settle, replied, r))
-        try:
-            chunk = asyncio.ensure_future(self._compute(obs, start))
-            done, _ = await asyncio.wait({replied, chunk}, return_when=asyncio.FIRST_EXCEPTION)
-            if chunk in done and chunk.exception() is not None:
-                handle.cancel()
-                raise chunk.exception()
-            reply: Reply = await replied
-            computed = await chunk if with_observation else None
-            if not with_observation:
-                chunk.cancel()
-        finally:
-            self._handles.discard(handle)
+        chunk = asyncio.ensure_future(self._compute(obs, start))
+        done, _ = await asyncio.wait({replied, chunk}, return_when=asyncio.FIRST_EXCEPTION)
+        if chunk in done and chunk.exception() is not None:
+            handle.cancel()
+            raise chunk.exception()
+        reply: Reply = await replied
+        computed = await chunk if with_observation else None
+        chunk.cancel()
         if not reply.success:
-            raise InputError(f"question failed ({reply.finish_reason}): {reply.error}")
+            raise RequestFailed(f"question failed ({reply.finish_reason}): {reply.error}")
         out = {"text": reply.text, "finish_reason": reply.finish_reason, "frame_index": reply.frame_index,
                "tokens": len(reply.tokens), "server_timing": {}}
         if computed is not None:
@@ -352,10 +357,7 @@ class ClientSession:
                            timeout_s=float(m.get("timeout_s", 30.0)), owner=self.robot)
 
     # ------------------------------------------------------------------
-    def end(self, reason: str) -> None:
-        """The connection is over: its language requests end now."""
-        for handle in list(self._handles):
-            handle.cancel()
+    def end(self) -> None:
         self._closed.cancel()
 
 
