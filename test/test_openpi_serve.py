@@ -349,3 +349,15 @@ def test_oxygen_serve_refuses_bad_parameters(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "refusing to start" in out.stderr and "checkpoint not found: /opt/models/pi05_droid_pytorch" in out.stderr
+
+
+def test_demo_episodes_through_openpi_runtime():
+    """`python -m oxygen_ros.eval --openpi` on 4 episodes: oxygen_serve --robot demo (the shipped weights),
+    openpi-client's Runtime + PolicyAgent + ActionChunkBroker, scene questions on the same socket. The
+    in-process evaluation of these episodes touches 4/4 and answers 26/28; thresholds as test_demo_model's."""
+    from oxygen_ros.serve.eval_openpi import evaluate_openpi
+
+    out = evaluate_openpi(4, seed=1000, log=lambda *_: None)
+    assert len(out["outcomes"]) == 4 and out["success_rate"] >= 0.75, out["outcomes"]
+    assert out["answer_accuracy"] >= 0.85, out["wrong_answers"]
+    assert out["chunks"] >= 4
