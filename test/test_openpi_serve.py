@@ -361,3 +361,42 @@ def test_demo_episodes_through_openpi_runtime():
     assert len(out["outcomes"]) == 4 and out["success_rate"] >= 0.75, out["outcomes"]
     assert out["answer_accuracy"] >= 0.85, out["wrong_answers"]
     assert out["chunks"] >= 4
+
+
+def test_bringup_serves_openpi_clients_next_to_the_ros_robot():
+    """`oxygen_bringup --demo --openpi-port 0`: a socket robot on the demo engine beside the simulated ROS robot:
+    its frames are batched with the ROS robot's in one cycle, and the frame indices it gets are interleaved
+    with the ROS robot's (one engine)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", ROS_DOMAIN_ID=str(101 + os.getpid() % 100))
+    proc = subprocess.Popen([sys.executable, "-m", "oxygen_ros.bringup", "--demo", "--openpi-port", "0",
+                             "--duration", "90"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(line.rstrip() for line in proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        # Once the ROS robot is served (a status line with its actions), connect.
+        while not any(line.startswith("[status] actions") for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "\n".join(lines[-30:])
+            time.sleep(0.1)
+        (line,) = [line for line in lines if "openpi clients on ws://" in line]
+        port = int(line.split("ws://")[1].split(" ")[0].rsplit(":", 1)[1])
+        policy = WebsocketClientPolicy("127.0.0.1", port)
+        assert policy.get_server_metadata()["robot"] == "demo"
+        rng = np.random.default_rng(8)
+        replies = [policy.infer({"observation/image": rng.integers(0, 256, (64, 64, 3), dtype=np.uint8),
+                                 "observation/state": rng.uniform(-0.5, 0.5, 3), "prompt": "touch the red cube"})
+                   for _ in range(10)]
+        assert all(r["actions"].shape == (20, 3) for r in replies)
+        frames = [r["policy_timing"]["frame_index"] for r in replies]
+        assert any(b - a > 1 for a, b in zip(frames, frames[1:])), frames          # the ROS robot's frames between
+        assert max(r["policy_timing"]["cycle_frames"] for r in replies) >= 2, replies
+        while not any("openpi clients 1/8" in line for line in lines if line.startswith("[status]")):
+            assert time.monotonic() < deadline, "\n".join(lines[-30:])        # the status line counts it
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, "\n".join(lines[-30:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

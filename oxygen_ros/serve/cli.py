@@ -208,3 +208,44 @@ def _serve(base, layout, options: ServeOptions) -> int:
         server.engine.stop()
     print("oxygen_serve: stopped", flush=True)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------- oxygen_bringup
+def add_bringup_arguments(parser: argparse.ArgumentParser) -> None:
+    """oxygen_bringup's --openpi-* options: socket robots next to the ROS robot, on its engine."""
+    d = ServeOptions()
+    group = parser.add_argument_group("openpi clients (docs/openpi.md)")
+    group.add_argument("--openpi-port", type=int, metavar="PORT",
+                       help="also serve openpi-client robots on this port, batched on the same engine (their "
+                            "observation keys and policy I/O: the --robot config)")
+    group.add_argument("--openpi-host", default=d.host, help="address the openpi server listens on")
+    group.add_argument("--openpi-api-key-file", type=Path, help="API key file the openpi clients must match")
+    group.add_argument("--openpi-max-clients", type=int, default=d.max_clients, help="openpi connections at once")
+
+
+def bringup_problems(args) -> list[str]:
+    """What oxygen_bringup's --openpi-* options cannot do, one line each (checked before anything starts)."""
+    if args.openpi_port is None:
+        return []
+    out = []
+    if args.robot not in LAYOUTS:
+        out.append("--openpi-port needs --robot (droid, aloha, libero, demo): the openpi clients take its robot "
+                   "config's keys and policy I/O (a fleet's socket robots are not supported yet)")
+    if args.managed:
+        out.append("--openpi-port needs the engine the bringup configures: not with --managed")
+    return out
+
+
+def start_for_bringup(engine, args):
+    """The openpi server on a configured, running engine (None without --openpi-port): clients become robots
+    of that engine beside the ROS robot, with its policy I/O and norm stats. ValueError: bad options."""
+    if args.openpi_port is None:
+        return None
+    from .server import openpi_server
+
+    ns = argparse.Namespace(host=args.openpi_host, port=args.openpi_port, api_key_file=args.openpi_api_key_file,
+                            max_clients=args.openpi_max_clients, max_message_mb=ServeOptions().max_message_bytes / 2**20,
+                            default_prompt=None, reply_timeout=ServeOptions().reply_timeout_s)
+    server = openpi_server(engine, LAYOUTS[args.robot], server_options(ns)).start()
+    print(f"oxygen_bringup: openpi clients on ws://{args.openpi_host}:{server.port} ({args.robot} keys)", flush=True)
+    return server

@@ -156,6 +156,9 @@ class OpenpiServer:
             self._thread.join(timeout)
             self._thread = None
 
+    def status(self) -> str:
+        return f"openpi clients {self.slots.in_use}/{self.slots.capacity}"
+
     # ------------------------------------------------------------------ handshake
     def _process_request(self, connection: ServerConnection, request):
         if request.path == "/healthz":
