@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 import websockets
+import websockets.sync.client
 from openpi_client import msgpack_numpy
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
@@ -225,6 +227,18 @@ def test_hostile_messages_get_clear_errors_while_another_client_is_served():
             assert isinstance(reply, str), "an error is a text frame"
             return reply
 
+        # A client that sent an observation and never reads, and one that stalls in the middle of a message.
+        stalled = websockets.sync.client.connect(f"ws://127.0.0.1:{server.port}", max_size=None)
+        stalled.send(msgpack_numpy.packb(droid_obs(rng)))
+        half = socket.create_connection(("127.0.0.1", server.port))
+        half.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+                     b"\x82\xfe\x10\x00" + b"\x00" * 4 + b"\x00" * 100)     # a masked 4 KB frame, 100 bytes of it
+        deadline = time.monotonic() + 5
+        while server.slots.in_use != 4:                             # both are connected clients, waiting
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        still_served()
         assert "not a msgpack message" in error_for(b"\xc1\x00garbage")
         assert "expected a binary msgpack message" in error_for("a text frame")
         assert "expected a msgpack map" in error_for(msgpack_numpy.packb([1, 2, 3]))
@@ -250,10 +264,25 @@ def test_hostile_messages_get_clear_errors_while_another_client_is_served():
             hostile._ws.send(b"\x00" * (100 << 20))
             hostile._ws.recv(timeout=30)
         still_served()
+        stalled.close()
+        half.close()
         deadline = time.monotonic() + 5
         while server.slots.in_use != 1:
             assert time.monotonic() < deadline
             time.sleep(0.01)
+
+
+def test_a_frame_the_engine_discards_is_an_error_not_a_wait():
+    """Non-finite actions (here: a NaN in the action expert's output layer) make the engine discard the frame:
+    the client gets the engine's reason at once, not a reply after the timeout."""
+    base = base_engine("libero")
+    torch.nn.init.constant_(base.runner.model.action_out_proj.bias, float("nan"))
+    with served("libero", base=base) as server:
+        policy = client(server)
+        t = time.monotonic()
+        with pytest.raises(RuntimeError, match="FrameFailed: the engine discarded this frame: .*non-finite actions"):
+            policy.infer(libero_obs(np.random.default_rng(9)))
+        assert time.monotonic() - t < server.options.reply_timeout_s / 2
 
 
 def test_language_on_the_socket():
