@@ -151,7 +151,7 @@ def evaluate_openpi(episodes: int, seed: int = 1000, steps: int = 210, replan: i
             f.write(f"oxygen_engine:\n  ros__parameters:\n    checkpoint: '{checkpoint}'\n"
                     f"    norm_stats: '{checkpoint / 'norm_stats.json'}'\n")
         extra = ["--params-file", params]
-    start = time.monotonic()
+    start, load = time.monotonic(), os.getloadavg()[0]
     proc, port, lines = start_server(extra)
     env = ReachEpisodes(episodes, seed, steps)
     try:
@@ -192,4 +192,5 @@ def evaluate_openpi(episodes: int, seed: int = 1000, steps: int = 210, replan: i
         "outcomes": outcomes,
         "wall_s": round(time.monotonic() - start, 1),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, engine 1 torch thread",
+        "load_avg_1min": {"start": load, "end": os.getloadavg()[0]},
     }
