@@ -110,7 +110,6 @@ class OpenpiServer:
             raise ValueError("; ".join(problems))
         self.engine, self.slots, self.hub, self.layout, self.options = engine, slots, hub, layout, options
         self.port: int | None = None             # the bound port once running
-        self.connections = 0
         self._serial = asyncio.Lock() if options.serial else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
@@ -199,7 +198,6 @@ class OpenpiServer:
         if robot is None:           # another client took the last slot after this one's handshake
             await ws.close(CloseCode.TRY_AGAIN_LATER, self._full().strip())
             return
-        self.connections += 1
         session = ClientSession(self, ws, robot)
         log.info("client %s connected from %s", robot, ws.remote_address)
         reason = "client disconnected"
