@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ros", action="store_true",
                    help="through oxygen_bringup --demo and the simulated robot node (ROS 2), in wall time")
     p.add_argument("--openpi", action="store_true",
-                   help="through oxygen_serve --robot demo and openpi-client's Runtime (oxygen_ros/serve/eval_openpi.py)")
+                   help="through oxygen_serve --robot demo and openpi-client's Runtime (serve/eval_openpi.py)")
     a = p.parse_args(argv)
     if a.episodes < 1 or a.steps < 1 or a.replan < 1:
         p.error(f"--episodes {a.episodes}, --steps {a.steps} and --replan {a.replan} must be positive")

@@ -90,7 +90,7 @@ def aloha_obs(rng, chw=True, wrists=("cam_left_wrist", "cam_right_wrist")) -> di
 
 def libero_obs(rng) -> dict:
     return {"observation/image": rng.integers(0, 256, (56, 56, 3), dtype=np.uint8),
-            "observation/wrist_image": rng.random((56, 56, 3), dtype=np.float32),     # float in [0, 1] (openpi scales it)
+            "observation/wrist_image": rng.random((56, 56, 3), dtype=np.float32),     # float in [0, 1]: openpi scales
             "observation/state": rng.uniform(-1, 1, 8), "prompt": "put the bowl on the plate"}
 
 

@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                           flush=True)
     finally:
         engine.stop()
-    summary = [summarise([r for r in runs if r["clients"] == n and r["mode"] == mode]) for n in counts for mode in modes]
+    summary = [summarise([r for r in runs if r["clients"] == n and r["mode"] == mode])
+               for n in counts for mode in modes]
     for row in summary:
         print(f"[bench openpi] {row['clients']} client(s) {row['mode']:13s}: infer p50 {row['infer_ms_p50']:7.1f} ms, "
               f"p99 {row['infer_ms_p99']:7.1f} ms, {row['chunks_per_s']:6.2f} chunks/s (median of {a.repeat}), "

@@ -28,7 +28,8 @@ log = logging.getLogger("oxygen_ros.serve")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--robot", choices=sorted(LAYOUTS), help="robot config (config/<robot>.yaml) and its openpi keys")
+    parser.add_argument("--robot", choices=sorted(LAYOUTS),
+                        help="robot config (config/<robot>.yaml) and its openpi keys")
     parser.add_argument("--params-file", action="append", default=[],
                         help="ROS parameters YAML, as oxygen_bringup takes it (repeatable; later files win)")
     parser.add_argument("--random", metavar="PRESET",
@@ -106,7 +107,8 @@ def demo_weights_params() -> Path:
     from importlib import resources
 
     weights = Path(str(resources.files("oxygen_ros.model") / "assets" / "demo"))
-    path = Path(tempfile.gettempdir()) / f"oxygen_demo_weights_{hashlib.sha1(str(weights).encode()).hexdigest()[:12]}.yaml"
+    digest = hashlib.sha1(str(weights).encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"oxygen_demo_weights_{digest}.yaml"
     path.write_text(f"oxygen_engine:\n  ros__parameters:\n    checkpoint: '{weights}'\n"
                     f"    norm_stats: '{weights / 'norm_stats.json'}'\n")
     return path
@@ -243,9 +245,10 @@ def start_for_bringup(engine, args):
         return None
     from .server import openpi_server
 
+    d = ServeOptions()
     ns = argparse.Namespace(host=args.openpi_host, port=args.openpi_port, api_key_file=args.openpi_api_key_file,
-                            max_clients=args.openpi_max_clients, max_message_mb=ServeOptions().max_message_bytes / 2**20,
-                            default_prompt=None, reply_timeout=ServeOptions().reply_timeout_s)
+                            max_clients=args.openpi_max_clients, max_message_mb=d.max_message_bytes / 2**20,
+                            default_prompt=None, reply_timeout=d.reply_timeout_s)
     server = openpi_server(engine, LAYOUTS[args.robot], server_options(ns)).start()
     print(f"oxygen_bringup: openpi clients on ws://{args.openpi_host}:{server.port} ({args.robot} keys)", flush=True)
     return server

@@ -35,7 +35,6 @@ import traceback
 from dataclasses import dataclass, replace
 from typing import Callable
 
-import numpy as np
 import websockets
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.frames import CloseCode
