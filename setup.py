@@ -33,6 +33,7 @@ setup(
             f"oxygen_bench = {PACKAGE}.bench.__main__:main",
             f"oxygen_oracle = {PACKAGE}.tools.oracle:main",
             f"oxygen_replay = {PACKAGE}.record.replay:main",
+            f"oxygen_serve = {PACKAGE}.serve.cli:main",
         ],
     },
 )

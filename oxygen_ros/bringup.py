@@ -46,9 +46,13 @@ def parse_args(argv):
                         help="leave oxygen_engine unconfigured: a lifecycle manager drives its transitions")
     parser.add_argument("--threads", type=int, default=10,
                         help="threads of the services executor (streaming goals hold one each)")
+    from .serve.cli import add_bringup_arguments, bringup_problems
+    add_bringup_arguments(parser)
     args, ros_args = parser.parse_known_args(argv)
     if args.demo and args.robot is None:
         args.robot = "demo"
+    for problem in bringup_problems(args):
+        parser.error(problem)
     return args, ros_args
 
 
@@ -399,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                 args.console),
                              params_files=ParamsFiles(files))
     nodes = [engine_node]
+    openpi = None
     try:
         executors.services.add_node(engine_node)
         if not args.managed:
@@ -411,6 +416,12 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             if not stop.is_set():          # Ctrl-C during the load: no activation, straight to the shutdown
                 engine_node.trigger_activate()
+                from .serve.cli import start_for_bringup
+                try:
+                    openpi = start_for_bringup(engine_node.engine, args)       # None without --openpi-port
+                except (ValueError, OSError) as e:
+                    print(f"oxygen_bringup: refusing to start, openpi server: {e}", file=sys.stderr)
+                    return 2
         if args.demo:
             from .nodes.demo_client import DemoClient, SceneQuestions
             from .nodes.sim_robot import SimRobotNode
@@ -434,11 +445,14 @@ def main(argv: list[str] | None = None) -> int:
                 attached = engine_node.attached
                 if attached is not None and engine_node.state_label == "active":
                     print(status_line(engine_node.engine, attached.robots)
+                          + (f" | {openpi.status()}" if openpi else "")
                           + (f" | {sim.status()}" if args.demo else ""), flush=True)
                 else:
                     print(f"[status] oxygen_engine {engine_node.state_label}", flush=True)
                 next_status += args.status_period
         # Safe shutdown order: no more commands, then the engine lets go of the device, then ROS.
+        if openpi:
+            openpi.stop()
         if engine_node.state_label != "finalized":
             engine_node.trigger_shutdown()
         executors.shutdown()

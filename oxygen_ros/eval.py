@@ -557,15 +557,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ros", action="store_true",
                    help="through oxygen_bringup --demo and the simulated robot node (ROS 2), in wall time")
     add_execution_arguments(p)
+    p.add_argument("--openpi", action="store_true",
+                   help="through oxygen_serve --robot demo and openpi-client's Runtime (serve/eval_openpi.py)")
     a = p.parse_args(argv)
     if a.episodes < 1 or a.steps < 1 or a.replan < 1:
         p.error(f"--episodes {a.episodes}, --steps {a.steps} and --replan {a.replan} must be positive")
+    if a.openpi and (a.ros or a.delay_ticks is not None or a.execution is not None):
+        p.error("--openpi runs the demo through openpi-client's Runtime as served: not with --ros, "
+                "--delay-ticks or --execution")
     if a.delay_ticks is not None or a.execution is not None:
         return execution_main(p, a)
     if a.ros and (a.strip or a.replan != 10 or a.policies != ",".join(POLICIES)):
         p.error("--ros runs the demo bringup as configured (config/demo.yaml): --strip, --replan and --policies "
                 "apply to the in-process evaluation only")
-    if a.ros:
+    if a.openpi:
+        from oxygen_ros.serve.eval_openpi import evaluate_openpi
+
+        out = evaluate_openpi(a.episodes, a.seed, a.steps, a.replan, a.checkpoint)
+    elif a.ros:
         out = evaluate_ros(a.episodes, a.seed, a.steps, a.checkpoint)
     else:
         out = evaluate(a.episodes, a.seed, a.steps, a.replan, tuple(a.policies.split(",")), a.checkpoint,

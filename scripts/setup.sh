@@ -19,7 +19,7 @@ mkdir -p "$STAMPS"
 
 fingerprint() { cat "$@" | sha256sum | cut -d' ' -f1; }
 
-REQ_HASH="$(fingerprint requirements.txt)${OXYGEN_TORCH:-}"
+REQ_HASH="$(fingerprint requirements.txt requirements-nodeps.txt)${OXYGEN_TORCH:-}"
 if [[ "$(cat "$STAMPS/requirements" 2>/dev/null)" != "$REQ_HASH" ]]; then
   echo "[setup] installing requirements (pinned torch==2.13.0: a bare 'torch' would pull a multi-GB CUDA build)"
   python -m pip install -q --upgrade pip wheel setuptools
@@ -29,6 +29,7 @@ if [[ "$(cat "$STAMPS/requirements" 2>/dev/null)" != "$REQ_HASH" ]]; then
   else
     python -m pip install -q -r requirements.txt
   fi
+  python -m pip install -q --no-deps -r requirements-nodeps.txt
   echo "$REQ_HASH" > "$STAMPS/requirements"
 fi
 

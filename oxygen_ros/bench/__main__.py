@@ -273,6 +273,9 @@ def main_fleet(a, cfg, model, started: str, load_start, argv, log) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if any(x.split("=")[0] == "--openpi-clients" for x in (sys.argv[1:] if argv is None else argv)):
+        from oxygen_ros.serve.bench_openpi import main as openpi_main     # openpi clients (docs/openpi.md)
+        return openpi_main(argv)
     parser = build_parser()
     a = parser.parse_args(argv)
     names = _check_args(parser, a)

@@ -1,0 +1,254 @@
+"""oxygen_serve: the engine over openpi's websocket policy protocol (docs/openpi.md).
+
+    oxygen_serve --robot droid --params-file my_droid.yaml        # a real checkpoint, as oxygen_bringup takes it
+    oxygen_serve --robot demo                                      # the shipped demo weights
+    oxygen_serve --robot libero --random tiny                      # random weights: try the protocol
+    oxygen_serve --robot aloha --api-key-file key.txt --host 0.0.0.0 --max-clients 4
+
+The model options are oxygen_bringup's: the robot config (config/<robot>.yaml), then --params-file files,
+then `--ros-args -p name:=value`, read and checked by the same engine node (oxygen_engine's parameters: model,
+checkpoint, tokenizer, norm_stats, device, kv_budget_mb, ...; every problem listed before refusing to start).
+No ROS graph is joined: the engine node is configured in a private context with discovery off.
+Clients send the robot config's openpi keys (--layout, by default the robot's name).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from .layouts import LAYOUTS
+from .server import ServeOptions
+
+log = logging.getLogger("oxygen_ros.serve")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--robot", choices=sorted(LAYOUTS),
+                        help="robot config (config/<robot>.yaml) and its openpi keys")
+    parser.add_argument("--params-file", action="append", default=[],
+                        help="ROS parameters YAML, as oxygen_bringup takes it (repeatable; later files win)")
+    parser.add_argument("--random", metavar="PRESET",
+                        help="random weights at this model preset (tiny, bench, pi05) with the robot config's "
+                             "dimensions and identity norm stats: to try the protocol, not to move a robot")
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    d = ServeOptions()
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), help="openpi observation keys (default: --robot)")
+    parser.add_argument("--host", default=d.host, help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=d.port, help="TCP port (0: any free port, printed)")
+    parser.add_argument("--api-key-file", type=Path,
+                        help="file holding the API key clients must send (Authorization: Api-Key <key>)")
+    parser.add_argument("--max-clients", type=int, default=d.max_clients, help="connections served at once")
+    parser.add_argument("--max-message-mb", type=float, default=d.max_message_bytes / 2**20,
+                        help="largest message accepted (MiB); a larger one closes its connection")
+    parser.add_argument("--default-prompt", help="prompt for observations that carry none")
+    parser.add_argument("--reply-timeout", type=float, default=d.reply_timeout_s,
+                        help="seconds an observation may wait for its chunk before the client gets an error")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="oxygen_serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    add_server_arguments(parser)
+    args, ros_args = parser.parse_known_args(argv)
+    if args.layout is None:
+        args.layout = args.robot
+    if args.layout is None:
+        parser.error("say which openpi keys clients send: --robot droid|aloha|libero|demo, or --layout with "
+                     "--params-file")
+    if not args.robot and not args.params_file:
+        parser.error("give --robot (a robot config) and/or --params-file")
+    return args, ros_args
+
+
+def server_options(args) -> ServeOptions:
+    api_key = None
+    if args.api_key_file is not None:
+        try:
+            api_key = args.api_key_file.read_text().strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file: {e}") from None
+        if not api_key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+    return ServeOptions(host=args.host, port=args.port, api_key=api_key, max_clients=args.max_clients,
+                        max_message_bytes=int(args.max_message_mb * 2**20), default_prompt=args.default_prompt,
+                        reply_timeout_s=args.reply_timeout)
+
+
+def engine_parameters(robot: str | None, params_files: list[str], random: str | None) -> tuple[list[str], dict]:
+    """(parameter files, overrides) for the engine node: oxygen_bringup's order (robot config, the demo
+    weights for the demo, the given files), then --random's choices, which win over every file (a model
+    preset, no weights, identity norm stats, a small KV pool)."""
+    from oxygen_ros.robot.configs import find_config
+
+    files = ([str(find_config(robot))] if robot else []) + list(params_files)
+    if robot == "demo" and not random:
+        files.insert(1, str(demo_weights_params()))
+    # Scene captions go to ROS topics a socket client never sees: not computed for its frames.
+    overrides = dict(memory_period_s=0.0, memory_every_frames=0)
+    if random:
+        overrides.update(model=random, checkpoint="", tokenizer="", norm_stats="", asset_id="", kv_budget_mb=64.0)
+    return files, overrides
+
+
+def demo_weights_params() -> Path:
+    """A parameters file naming the shipped demo weights (their path depends on the install). The same file as
+    oxygen_bringup --demo writes (bringup.demo_weights_params): not imported from there, as the bringup imports
+    this package (--openpi-port)."""
+    import hashlib
+    import tempfile
+    from importlib import resources
+
+    weights = Path(str(resources.files("oxygen_ros.model") / "assets" / "demo"))
+    digest = hashlib.sha1(str(weights).encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"oxygen_demo_weights_{digest}.yaml"
+    path.write_text(f"oxygen_engine:\n  ros__parameters:\n    checkpoint: '{weights}'\n"
+                    f"    norm_stats: '{weights / 'norm_stats.json'}'\n")
+    return path
+
+
+def build_engine_node(files: list[str], overrides: dict, ros_args: list[str]):
+    """oxygen_engine configured from these parameters in a private ROS context (nothing spins it; discovery
+    off): the same checks and loading as oxygen_bringup's. Returns (node, context); SystemExit(2) with every
+    problem when the parameters are bad."""
+    os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "OFF")
+    import rclpy
+    from rclpy.parameter import Parameter
+
+    from oxygen_ros.nodes.engine_node import EngineNode
+    from oxygen_ros.nodes.fleet import ParamsFiles
+
+    fleet = ParamsFiles(files).engine().get("robots")
+    if fleet:
+        raise SystemExit(f"oxygen_serve: the parameters declare a fleet (robots: {fleet}); oxygen_serve serves one "
+                         "robot config to its clients (a fleet with socket robots: oxygen_bringup --openpi-port)")
+    args = ["oxygen_serve", "--ros-args"] + [a for f in files for a in ("--params-file", f)]
+    args += [a for a in ros_args if a != "--ros-args"]
+    context = rclpy.Context()
+    rclpy.init(args=args, context=context)
+    node = EngineNode(params_files=ParamsFiles(files), context=context,
+                      parameter_overrides=[Parameter(k, value=v) for k, v in overrides.items()])
+    node.trigger_configure()
+    if node.failure:
+        problems = node.failure.splitlines()
+        node.destroy_node()
+        context.try_shutdown()
+        raise SystemExit("oxygen_serve: refusing to start, bad parameters:\n  " + "\n  ".join(problems))
+    return node, context
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, ros_args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    from oxygen_ros.robot.configs import find_config
+
+    try:
+        options = server_options(args)
+        problems = options.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        files, overrides = engine_parameters(args.robot, args.params_file, args.random)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"oxygen_serve: {e}", file=sys.stderr)
+        return 2
+    if args.robot:
+        print(f"oxygen_serve: robot config {find_config(args.robot)}", flush=True)
+    if args.random:
+        log.warning("RANDOM WEIGHTS: model preset %r with random weights and identity norm stats: the actions "
+                    "are meaningless (protocol testing only)", args.random)
+    try:
+        node, context = build_engine_node(files, overrides, ros_args)
+    except SystemExit as e:
+        print(e, file=sys.stderr)
+        return 2
+    try:
+        return _serve(node.engine, LAYOUTS[args.layout], options)
+    finally:
+        node.trigger_shutdown()
+        node.destroy_node()
+        context.try_shutdown()
+
+
+def _serve(base, layout, options: ServeOptions) -> int:
+    from .server import openpi_server
+
+    # The engine node built the engine for the robot config as its robot "": that robot's frame preparation
+    # is the template of every client's; the robot itself would only sit idle.
+    template = base.preparer
+    base.remove_robot("", "oxygen_serve serves clients only")
+    try:
+        server = openpi_server(base, layout, options, template)
+    except ValueError as e:
+        print(f"oxygen_serve: {e}", file=sys.stderr)
+        return 2
+    if options.host not in ("127.0.0.1", "localhost", "::1") and options.api_key is None:
+        log.warning("listening on %s without an API key: anyone who reaches this port can move the robot",
+                    options.host)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await server.serve_until(stop, lambda port: print(f"oxygen_serve: listening on ws://{options.host}:{port}",
+                                                          flush=True))
+
+    server.engine.start()
+    try:
+        asyncio.run(serve())
+    except OSError as e:
+        print(f"oxygen_serve: cannot listen on {options.host}:{options.port}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        server.engine.stop()
+    print("oxygen_serve: stopped", flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- oxygen_bringup
+def add_bringup_arguments(parser: argparse.ArgumentParser) -> None:
+    """oxygen_bringup's --openpi-* options: socket robots next to the ROS robot, on its engine."""
+    d = ServeOptions()
+    group = parser.add_argument_group("openpi clients (docs/openpi.md)")
+    group.add_argument("--openpi-port", type=int, metavar="PORT",
+                       help="also serve openpi-client robots on this port, batched on the same engine (their "
+                            "observation keys and policy I/O: the --robot config)")
+    group.add_argument("--openpi-host", default=d.host, help="address the openpi server listens on")
+    group.add_argument("--openpi-api-key-file", type=Path, help="API key file the openpi clients must match")
+    group.add_argument("--openpi-max-clients", type=int, default=d.max_clients, help="openpi connections at once")
+
+
+def bringup_problems(args) -> list[str]:
+    """What oxygen_bringup's --openpi-* options cannot do, one line each (checked before anything starts)."""
+    if args.openpi_port is None:
+        return []
+    out = []
+    if args.robot not in LAYOUTS:
+        out.append("--openpi-port needs --robot (droid, aloha, libero, demo): the openpi clients take its robot "
+                   "config's keys and policy I/O (a fleet's socket robots are not supported yet)")
+    if args.managed:
+        out.append("--openpi-port needs the engine the bringup configures: not with --managed")
+    return out
+
+
+def start_for_bringup(engine, args):
+    """The openpi server on a configured, running engine (None without --openpi-port): clients become robots
+    of that engine beside the ROS robot, with its policy I/O and norm stats. ValueError: bad options."""
+    if args.openpi_port is None:
+        return None
+    from .server import openpi_server
+
+    d = ServeOptions()
+    ns = argparse.Namespace(host=args.openpi_host, port=args.openpi_port, api_key_file=args.openpi_api_key_file,
+                            max_clients=args.openpi_max_clients, max_message_mb=d.max_message_bytes / 2**20,
+                            default_prompt=None, reply_timeout=d.reply_timeout_s)
+    server = openpi_server(engine, LAYOUTS[args.robot], server_options(ns)).start()
+    print(f"oxygen_bringup: openpi clients on ws://{args.openpi_host}:{server.port} ({args.robot} keys)", flush=True)
+    return server

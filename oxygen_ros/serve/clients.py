@@ -1,0 +1,198 @@
+"""Socket clients as robots of one engine, and their observations' way to a chunk and back.
+
+Each connection is a robot of the fleet engine (issue #17): its own intake slot (newest observation wins),
+deadline, policy I/O and norm stats (those of the served robot config), its language requests owned by it.
+The frames of concurrent clients are prefilled in one forward and denoised in one batch like any fleet's.
+
+`ClientSlots` is the one place that knows how a client becomes a robot; `EngineHub` matches chunks to the
+observations they were computed from: a client has at most one observation in flight (openpi's protocol is
+request/reply), the engine's frame listener says which frame index it became (and in which cycle, with how
+many other frames), its chunk listener delivers the chunk of that frame index. A frame the engine
+discards (a bad observation, non-finite actions, a failed output transform) fails the client's wait with the
+reason instead of leaving it waiting.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from oxygen_ros.engine.engine import ChunkResult, Engine
+from oxygen_ros.engine.frames import FramePreparer, PreparedFrame
+from oxygen_ros.robot.errors import InputError
+from oxygen_ros.robot.sync import Observation
+
+CLIENT_PREFIX = "openpi_"
+
+
+class FrameFailed(Exception):
+    """The engine will not compute a chunk for this observation: the text says why."""
+
+
+@dataclass(frozen=True)
+class Computed:
+    chunk: ChunkResult
+    cycle_frames: int          # frames prefilled and denoised together in the chunk's cycle (all robots)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One observation of a client on its way through the engine."""
+
+    robot: str
+    obs: Observation
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    counts_before: tuple[int, int]          # the robot's (bad observations, faults) when it was submitted
+    frame_index: int | None = None
+    cycle: int | None = None
+
+
+class ClientPreparer(FramePreparer):
+    """The served robot's frame preparation for one client, reporting a rejection to the waiting client with
+    its exact reason (the engine only counts and logs it)."""
+
+    def __init__(self, base: FramePreparer, robot: str, on_error: Callable[[str, str], None]):
+        super().__init__(base.cfg, base.tokenizer, base.io, base.state_in_prompt)
+        self.robot, self._on_error = robot, on_error
+
+    def prepare(self, obs) -> PreparedFrame:
+        try:
+            return super().prepare(obs)
+        except InputError as e:
+            self._on_error(self.robot, f"observation rejected: {e}")
+            raise
+
+    def robot_actions(self, model_actions, frame: PreparedFrame):
+        try:
+            return super().robot_actions(model_actions, frame)
+        except Exception as e:
+            self._on_error(self.robot, f"output transform failed: {type(e).__name__}: {e}")
+            raise
+
+
+class EngineHub:
+    """The engine's listeners, shared by every client: frame announcements and chunks to tickets."""
+
+    _CYCLES_KEPT = 256
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._tickets: dict[str, Ticket] = {}             # robot -> its observation in flight
+        self._cycle_frames: collections.OrderedDict[int, int] = collections.OrderedDict()
+        engine.add_frame_listener(self._on_frame)
+        engine.add_chunk_listener(self._on_chunk)
+
+    # ------------------------------------------------------------------ event loop side
+    def submit(self, robot: str, obs: Observation) -> Ticket:
+        """Hand a client's observation to the engine; await `ticket.future` for its Computed."""
+        loop = asyncio.get_running_loop()
+        ticket = Ticket(robot, obs, loop, loop.create_future(), self._counts(robot))
+        with self._lock:
+            old = self._tickets.get(robot)
+            self._tickets[robot] = ticket
+        if old is not None:
+            _resolve(old, FrameFailed("replaced by a newer observation of the same client"))
+        self.engine.submit_observation(obs, robot=robot)
+        return ticket
+
+    def discarded(self, ticket: Ticket) -> str:
+        """Why the engine dropped the ticket's frame without a chunk (checked while waiting), or ''."""
+        if self.engine.faulted:
+            return f"engine safe stop: {self.engine.faulted}"
+        if ticket.future.done() or self._counts(ticket.robot) == ticket.counts_before:
+            return ""
+        return f"the engine discarded this frame: {self.engine.stats.last_error}"
+
+    def in_flight(self) -> list[str]:
+        """The robots whose observation waits for its chunk."""
+        with self._lock:
+            return sorted(self._tickets)
+
+    def forget(self, ticket: Ticket) -> None:
+        with self._lock:
+            if self._tickets.get(ticket.robot) is ticket:
+                del self._tickets[ticket.robot]
+
+    def _counts(self, robot: str) -> tuple[int, int]:
+        r = self.engine.stats.snapshot()["robots"][robot]
+        return r["bad_observations"], r["faults"]
+
+    # ------------------------------------------------------------------ engine (or preparer) thread
+    def fail(self, robot: str, message: str) -> None:
+        with self._lock:
+            ticket = self._tickets.get(robot)
+        if ticket is not None:
+            _resolve(ticket, FrameFailed(message))
+
+    def _on_frame(self, index: int, obs) -> None:
+        # Called for each frame of a cycle before any chunk of it; stats count a cycle when it ends, so every
+        # frame announced while the counter reads c belongs to the same cycle.
+        cycle = self.engine.stats.counter("cycles")
+        with self._lock:
+            self._cycle_frames[cycle] = self._cycle_frames.get(cycle, 0) + 1
+            while len(self._cycle_frames) > self._CYCLES_KEPT:
+                self._cycle_frames.popitem(last=False)
+            for ticket in self._tickets.values():
+                if ticket.obs is obs:
+                    ticket.frame_index, ticket.cycle = index, cycle
+
+    def _on_chunk(self, chunk: ChunkResult) -> None:
+        with self._lock:
+            ticket = self._tickets.get(chunk.robot)
+            if ticket is None or ticket.frame_index != chunk.plan.frame_index:
+                return
+            frames = self._cycle_frames.get(ticket.cycle, 1)
+        _resolve(ticket, Computed(chunk, frames))
+
+
+def _resolve(ticket: Ticket, outcome) -> None:
+    def settle():
+        if not ticket.future.done():
+            if isinstance(outcome, Exception):
+                ticket.future.set_exception(outcome)
+            else:
+                ticket.future.set_result(outcome)
+    try:
+        ticket.loop.call_soon_threadsafe(settle)
+    except RuntimeError:        # the client's event loop has closed: nobody waits any more
+        pass
+
+
+class ClientSlots:
+    """Clients as robots of the engine: a robot (openpi_<n>, n counting connections) is added when a client
+    connects, with the served robot config's policy I/O, and removed when it goes (its pending frame is
+    dropped, its requests end)."""
+
+    def __init__(self, engine: Engine, template: FramePreparer, capacity: int,
+                 on_error: Callable[[str, str], None]):
+        self.engine, self.template, self.capacity, self._on_error = engine, template, capacity, on_error
+        self._clients: set[str] = set()
+        self._count = itertools.count()
+        self._lock = threading.Lock()
+
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return len(self._clients)
+
+    def acquire(self) -> str | None:
+        """The robot name of a new client, or None when `capacity` clients are connected. ValueError when the
+        engine cannot take one more robot (its KV pool)."""
+        with self._lock:
+            if len(self._clients) >= self.capacity:
+                return None
+            name = f"{CLIENT_PREFIX}{next(self._count)}"
+            self.engine.add_robot(name, ClientPreparer(self.template, name, self._on_error))
+            self._clients.add(name)
+            return name
+
+    def release(self, robot: str, reason: str) -> None:
+        with self._lock:
+            if robot in self._clients:
+                self._clients.discard(robot)
+                self.engine.remove_robot(robot, reason)

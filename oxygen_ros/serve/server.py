@@ -1,0 +1,377 @@
+"""The engine behind openpi's websocket policy protocol: any `openpi-client` robot program points its
+`WebsocketClientPolicy` here and gets chunks batched with every other client on one engine, plus answers
+about what it sees on the same socket.
+
+Protocol (openpi's `WebsocketPolicyServer`, as its client expects it):
+  - `GET /healthz` -> 200 "OK"; with an API key, the handshake needs `Authorization: Api-Key <key>` (what
+    `WebsocketClientPolicy(api_key=...)` sends), else HTTP 401; beyond `max_clients` connections, HTTP 503;
+  - on connect the server sends its metadata (msgpack): the observation keys, action horizon and dimension...;
+  - each binary msgpack-numpy message is answered by one message:
+      an observation (the robot config's openpi keys, see layouts.py)
+          -> {"actions": [H, D] robot units after the output transforms,
+              "server_timing": {"infer_ms", "prev_total_ms"}, "policy_timing": {"infer_ms", "frame_index",
+              "cycle_frames"}};
+      {"question": str, "max_tokens": int, ...} -> {"text", "finish_reason", "frame_index", "tokens",
+          "server_timing"} about the client's newest observation (with observation keys in the same message:
+          about that one, and its "actions" come back too: one prefill serves both);
+  - an error is a text frame (the client raises RuntimeError with it); the connection stays usable after a
+    bad message (malformed msgpack, wrong keys, shapes or values, a refused question). A message over
+    `max_message_bytes` closes the connection (websocket close 1009: its bytes are not read); a server bug
+    sends its traceback and closes (1011), as openpi's server does.
+
+Concurrency: one asyncio loop serves every connection; the engine computes on its own thread. A client has
+at most one message in flight (the protocol is request/reply) and waits only for its own frame, so a slow,
+stalled or vanished client delays nobody; when it goes, its slot is freed and its requests end.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import http
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import websockets
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.frames import CloseCode
+
+from oxygen_ros.engine.engine import Engine
+from oxygen_ros.engine.frames import FramePreparer
+from oxygen_ros.engine.requests import Reply, Sampling, TextRequest
+from oxygen_ros.robot.errors import InputError
+
+from .clients import ClientSlots, Computed, EngineHub, FrameFailed
+from .layouts import Layout
+from .protocol import ProtocolError, pack, unpack
+
+log = logging.getLogger("oxygen_ros.serve")
+
+QUESTION_KEYS = ("question", "max_tokens", "temperature", "top_p", "seed", "stop", "timeout_s")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000                         # 0: any free port (see OpenpiServer.port)
+    api_key: str | None = None
+    max_clients: int = 8
+    max_message_bytes: int = 32 << 20
+    default_prompt: str | None = None        # for observations without "prompt" (openpi's --default_prompt)
+    reply_timeout_s: float = 60.0            # a frame still without its chunk after this long is an error
+    serial: bool = False                     # one client's frame at a time (openpi's server model; benchmark)
+
+    def problems(self) -> list[str]:
+        out = []
+        if not 0 <= self.port <= 65535:
+            out.append(f"port {self.port} must be in 0..65535")
+        if self.max_clients < 1:
+            out.append(f"max_clients {self.max_clients} must be at least 1")
+        if self.max_message_bytes < 1024:
+            out.append(f"max_message_bytes {self.max_message_bytes} must be at least 1024")
+        if not self.reply_timeout_s > 0:
+            out.append(f"reply_timeout_s {self.reply_timeout_s} must be positive")
+        if self.api_key is not None and not self.api_key.strip():
+            out.append("the API key is empty")
+        return out
+
+
+class ClientGone(Exception):
+    pass
+
+
+class RequestFailed(Exception):
+    """A question the engine refused or could not answer: the text says why."""
+
+
+def openpi_server(engine: Engine, layout: Layout, options: ServeOptions = ServeOptions(),
+                  template: FramePreparer | None = None) -> "OpenpiServer":
+    """The server for `engine`: each client becomes a robot of it with `template`'s policy I/O (default: the
+    engine's first robot's, i.e. the robot config it was built with)."""
+    hub = EngineHub(engine)
+    slots = ClientSlots(engine, template or engine.preparer, options.max_clients, hub.fail)
+    return OpenpiServer(engine, slots, hub, layout, options)
+
+
+class OpenpiServer:
+    def __init__(self, engine: Engine, slots: ClientSlots, hub: EngineHub, layout: Layout,
+                 options: ServeOptions = ServeOptions()):
+        problems = options.problems()
+        model_slots = slots.template.cfg.camera_slots
+        missing = [s for s in layout.slots if s not in model_slots]
+        if missing:
+            problems.append(f"the {layout.name} layout feeds camera slots {missing} the model does not have "
+                            f"({', '.join(model_slots)})")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.engine, self.slots, self.hub, self.layout, self.options = engine, slots, hub, layout, options
+        self.port: int | None = None             # the bound port once running
+        self._serial = asyncio.Lock() if options.serial else None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ running
+    async def serve_until(self, stop: asyncio.Event, on_ready: Callable[[int], None] | None = None) -> None:
+        """Serve until `stop` is set; `on_ready(port)` once listening."""
+        o = self.options
+        async with serve(self._handle, o.host, o.port, process_request=self._process_request,
+                         max_size=o.max_message_bytes, max_queue=4, compression=None) as server:
+            self.port = server.sockets[0].getsockname()[1]
+            log.info("openpi policy server on ws://%s:%d (%s observations, up to %d clients%s)", o.host, self.port,
+                     self.layout.name, o.max_clients, ", API key required" if o.api_key else "")
+            if on_ready is not None:
+                on_ready(self.port)
+            await stop.wait()
+
+    def start(self) -> "OpenpiServer":
+        """Serve on a thread of its own (tests, the bringup); returns once the port is bound."""
+        ready, failed = threading.Event(), []
+
+        def run():
+            async def main():
+                self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
+                await self.serve_until(self._stopping, lambda port: ready.set())
+            try:
+                asyncio.run(main())
+            except Exception as e:  # noqa: BLE001 - reported to start()'s caller (e.g. the port is taken)
+                failed.append(e)
+                ready.set()
+
+        self._thread = threading.Thread(target=run, name="oxygen-openpi-server", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failed:
+            raise failed[0]
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+            self._thread.join(timeout)
+            self._thread = None
+
+    def status(self) -> str:
+        return f"openpi clients {self.slots.in_use}/{self.slots.capacity}"
+
+    # ------------------------------------------------------------------ handshake
+    def _process_request(self, connection: ServerConnection, request):
+        if request.path == "/healthz":
+            return connection.respond(http.HTTPStatus.OK, "OK\n")
+        key = self.options.api_key
+        if key is not None and not _key_matches(request.headers.get("Authorization"), key):
+            log.warning("refused %s: missing or wrong API key", connection.remote_address)
+            return connection.respond(http.HTTPStatus.UNAUTHORIZED,
+                                      "missing or wrong API key: send the header 'Authorization: Api-Key <key>' "
+                                      "(WebsocketClientPolicy(host, port, api_key=...))\n")
+        if self.slots.in_use >= self.slots.capacity:
+            return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, self._full())
+        return None
+
+    def _full(self) -> str:
+        return f"server full: {self.slots.capacity} clients connected (max_clients)\n"
+
+    def metadata(self, robot: str) -> dict:
+        info = self.engine.robot_info(robot)
+        return {
+            "server": "oxygen_ros", "client": robot, "robot": self.layout.name,
+            "action_horizon": info.action_horizon, "action_dim": info.action_dim,
+            "control_period_s": self.engine.preparers[robot].io.control_period_s,
+            "observation": self.layout.describe(),
+            "language": {"keys": list(QUESTION_KEYS), "max_tokens_limit": self.engine.config.max_tokens_limit,
+                         "max_question_chars": info.max_question_chars},
+            "max_message_bytes": self.options.max_message_bytes, "max_clients": self.options.max_clients,
+        }
+
+    # ------------------------------------------------------------------ a connection
+    async def _handle(self, ws: ServerConnection) -> None:
+        try:
+            robot = self.slots.acquire()
+        except ValueError as e:     # the engine cannot take one more robot (its KV pool)
+            log.warning("refused a client: %s", e)
+            await ws.close(CloseCode.TRY_AGAIN_LATER, str(e)[:120])
+            return
+        if robot is None:           # another client took the last slot after this one's handshake
+            await ws.close(CloseCode.TRY_AGAIN_LATER, self._full().strip())
+            return
+        session = ClientSession(self, ws, robot)
+        log.info("client %s connected from %s", robot, ws.remote_address)
+        reason = "client disconnected"
+        try:
+            await ws.send(pack(self.metadata(robot)))
+            while True:
+                data = await ws.recv()
+                reply = await session.answer(data)
+                await ws.send(reply)
+        except ClientGone:
+            pass
+        except websockets.ConnectionClosed as e:
+            if e.sent is not None and e.sent.code == CloseCode.MESSAGE_TOO_BIG:
+                reason = f"message too big: {e.sent.reason}"
+                log.warning("client %s: %s", robot, reason)
+        except Exception:  # noqa: BLE001 - a server bug: tell the client (as openpi does) and close
+            reason = "server error"
+            text = traceback.format_exc()
+            log.error("client %s: server error:\n%s", robot, text)
+            try:
+                await ws.send(text)
+                await ws.close(CloseCode.INTERNAL_ERROR, "Internal server error. Traceback included in previous frame.")
+            except websockets.ConnectionClosed:
+                pass
+        finally:
+            session.end()
+            self.slots.release(robot, reason)
+            log.info("client %s gone (%s)", robot, reason)
+
+
+class ClientSession:
+    """One connection: its robot name, its newest observation, what it has in flight."""
+
+    def __init__(self, server: OpenpiServer, ws: ServerConnection, robot: str):
+        self.server, self.ws, self.robot = server, ws, robot
+        self.engine, self.hub, self.layout, self.options = server.engine, server.hub, server.layout, server.options
+        self.newest = None                       # the last observation it sent (questions are about it)
+        self._closed = asyncio.ensure_future(ws.wait_closed())
+        self._prev_total_ms: float | None = None
+
+    async def answer(self, data) -> bytes | str:
+        """One message -> the reply bytes, or an error text for the client to raise."""
+        start = time.monotonic()
+        try:
+            message = await asyncio.get_running_loop().run_in_executor(None, unpack, data)
+            if "question" in message:
+                reply = await self._ask(message, start)
+            else:
+                reply = await self._infer(message, start)
+        except (ProtocolError, InputError, FrameFailed, RequestFailed) as e:
+            return f"{type(e).__name__}: {e}"
+        reply["server_timing"]["infer_ms"] = 1e3 * (time.monotonic() - start)
+        if self._prev_total_ms is not None:
+            reply["server_timing"]["prev_total_ms"] = self._prev_total_ms
+        out = pack(reply)
+        self._prev_total_ms = 1e3 * (time.monotonic() - start)   # without this reply's send, as openpi's
+        return out
+
+    # ------------------------------------------------------------------ actions
+    async def _observation(self, message: dict):
+        obs = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.layout.observation(message, time.monotonic(), self.options.default_prompt))
+        self.newest = obs
+        return obs
+
+    async def _infer(self, message: dict, start: float) -> dict:
+        if not self.layout.has_observation(message):
+            raise InputError(f"neither an observation (keys {', '.join(self.layout.keys())}) nor a question "
+                             f"(key 'question'); got keys {sorted(map(str, message))}")
+        computed = await self._compute(await self._observation(message), start)
+        return self._actions(computed)
+
+    def _actions(self, computed: Computed) -> dict:
+        chunk = computed.chunk
+        return {"actions": chunk.plan.actions, "server_timing": {},
+                "policy_timing": {"infer_ms": 1e3 * chunk.compute_s, "frame_index": chunk.plan.frame_index,
+                                  "cycle_frames": computed.cycle_frames}}
+
+    async def _compute(self, obs, start: float) -> Computed:
+        if self.server._serial is None:
+            return await self._wait_chunk(obs, start)
+        async with self.server._serial:             # openpi's model: one frame at a time
+            return await self._wait_chunk(obs, start)
+
+    async def _wait_chunk(self, obs, start: float) -> Computed:
+        ticket = self.hub.submit(self.robot, obs)
+        try:
+            while True:
+                done, _ = await asyncio.wait({ticket.future, self._closed}, timeout=0.25,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if ticket.future in done:
+                    return ticket.future.result()
+                if self._closed in done:
+                    raise ClientGone()
+                why = await asyncio.get_running_loop().run_in_executor(None, self.hub.discarded, ticket)
+                if why:
+                    raise FrameFailed(why)
+                if time.monotonic() - start > self.options.reply_timeout_s:
+                    raise FrameFailed(f"no action chunk {self.options.reply_timeout_s:g} s after the observation "
+                                      f"(engine overloaded or stopped?)")
+        finally:
+            self.hub.forget(ticket)
+
+    # ------------------------------------------------------------------ language
+    async def _ask(self, message: dict, start: float) -> dict:
+        with_observation = self.layout.has_observation(message)
+        if not with_observation:
+            unknown = sorted(str(k) for k in message if k not in QUESTION_KEYS)
+            if unknown:
+                raise InputError(f"a question takes the keys {', '.join(QUESTION_KEYS)}, got also {unknown} (to ask "
+                                 f"about a new observation, send all its keys with the question)")
+        request = self._request(message)
+        if with_observation:
+            obs = await self._observation(message)
+        elif self.newest is None:
+            raise InputError("no observation from this client yet: send one first, or send the question together "
+                             "with an observation's keys")
+        else:
+            # The engine answers about frames it computes: the newest observation becomes a frame again.
+            obs = replace(self.newest, stamp_s=time.monotonic())
+        loop = asyncio.get_running_loop()
+        replied = loop.create_future()
+        handle = self.engine.submit(request)          # before its frame, so that the frame's cycle admits it
+        if handle.done():                              # refused at once: no frame needed to say why
+            raise RequestFailed(f"question refused: {handle.result().error}")
+        handle.add_done_callback(lambda r: loop.call_soon_threadsafe(_settle, replied, r))
+        chunk = asyncio.ensure_future(self._compute(obs, start))
+        done, _ = await asyncio.wait({replied, chunk}, return_when=asyncio.FIRST_EXCEPTION)
+        if chunk in done and chunk.exception() is not None:
+            handle.cancel()
+            raise chunk.exception()
+        reply: Reply = await replied
+        computed = await chunk if with_observation else None
+        chunk.cancel()
+        if not reply.success:
+            raise RequestFailed(f"question failed ({reply.finish_reason}): {reply.error}")
+        out = {"text": reply.text, "finish_reason": reply.finish_reason, "frame_index": reply.frame_index,
+               "tokens": len(reply.tokens), "server_timing": {}}
+        if computed is not None:
+            out.update((k, v) for k, v in self._actions(computed).items() if k != "server_timing")
+        return out
+
+    def _request(self, m: dict) -> TextRequest:
+        """The question's fields, type-checked (the engine checks ranges and refuses with the reason)."""
+        kinds = {"question": (str, bytes), "max_tokens": int, "temperature": (int, float), "top_p": (int, float),
+                 "seed": int, "stop": (list, tuple, str), "timeout_s": (int, float)}
+        wrong = [f"{k} must be {_names(t)}, got {type(m[k]).__name__}" for k, t in kinds.items()
+                 if k in m and (not isinstance(m[k], t) or isinstance(m[k], bool))]
+        if wrong:
+            raise InputError("; ".join(wrong))
+        question = m["question"].decode("utf-8", "replace") if isinstance(m["question"], bytes) else m["question"]
+        stop = (m["stop"],) if isinstance(m.get("stop"), str) else tuple(m.get("stop", ()))
+        try:
+            sampling = Sampling(float(m.get("temperature", 0.0)), float(m.get("top_p", 1.0)), int(m.get("seed", 0)))
+        except ValueError as e:
+            raise InputError(str(e)) from None
+        return TextRequest(question, max_tokens=int(m.get("max_tokens", 32)), sampling=sampling, stop=stop,
+                           timeout_s=float(m.get("timeout_s", 30.0)), owner=self.robot)
+
+    # ------------------------------------------------------------------
+    def end(self) -> None:
+        self._closed.cancel()
+
+
+def _settle(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _names(t) -> str:
+    types = t if isinstance(t, tuple) else (t,)
+    return " or ".join(x.__name__ for x in types)
+
+
+def _key_matches(header: str | None, key: str) -> bool:
+    if not header or not header.startswith("Api-Key "):
+        return False
+    return hmac.compare_digest(header[len("Api-Key "):].strip().encode(), key.strip().encode())
