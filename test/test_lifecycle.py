@@ -136,6 +136,8 @@ def test_transitions_through_the_lifecycle_services(managed, tmp_path):
 # No camera (`--robot demo` without the simulated robot): every question waits in the engine's queue for a
 # frame that never comes, so each transition meets 30 pending calls and 4 executing streaming goals.
 CALLS, GOALS = 30, 4
+# All of them wait at once: the engine's per-owner cap (16 by default) must not refuse any.
+DEEP_QUEUE = ["--ros-args", "-p", "oxygen_engine:max_queued_per_owner:=64"]
 
 
 class InFlight:
@@ -197,7 +199,7 @@ def queued(bringup_client, count: int) -> bool:
 @pytest.fixture(scope="module")
 def cameraless():
     domain = private_domain(24)
-    with running_bringup(["--robot", "demo", "--managed", "--status-period", "0"], domain,
+    with running_bringup(["--robot", "demo", "--managed", "--status-period", "0", *DEEP_QUEUE], domain,
                          "lifecycle_inflight_test") as running:
         yield running
 
@@ -231,7 +233,7 @@ def test_every_pending_request_is_answered_by_deactivate_cleanup_and_shutdown(ca
 
 def test_sigint_answers_every_pending_request():
     domain = private_domain(25)
-    bringup = Bringup(["--robot", "demo", "--status-period", "0"], domain)
+    bringup = Bringup(["--robot", "demo", "--status-period", "0", *DEEP_QUEUE], domain)
     client = RosClient(domain, "lifecycle_sigint_test")
     try:
         assert bringup.wait_for_line("oxygen_bringup: running", 90), bringup.output()

@@ -533,6 +533,22 @@ def test_after_shut_down_output_cannot_be_enabled_again(publisher):
     assert tick_at(node, 100.0 + DT) == [] and not node.enabled
 
 
+def test_enabling_output_does_not_clear_the_engines_safe_stop(publisher):
+    """A safe stop is cleared on purpose (oxygen_engine's clear_safe_stop), not in passing by /oxygen/enable
+    (issue #21: enabling used to clear it)."""
+    from std_srvs.srv import SetBool
+
+    node = publisher(output_type="twist")
+    node.set_enabled(False)
+    node.engine.faulted = "5 consecutive faulty frames, last: injected"
+    response = node._on_enable(SetBool.Request(data=True), SetBool.Response())
+    assert not response.success and not node.enabled and node.engine.faulted
+    assert response.message == ("engine safe stop (5 consecutive faulty frames, last: injected): call "
+                                "/oxygen_engine/clear_safe_stop first")
+    node.engine.reset_fault()
+    assert node._on_enable(SetBool.Request(data=True), SetBool.Response()).success and node.enabled
+
+
 def test_the_stale_watch_is_refreshed_by_observations_not_by_polls(observation):
     """On a simulated clock: the node's 0.1 s timer polls the assembler; only an observation handed to the
     engine counts as fresh input. (A watch refreshed by every poll never went stale: issue #21.)"""

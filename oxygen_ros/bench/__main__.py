@@ -77,6 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--robots", default=None, metavar="N[,N...]",
                    help="fleet benchmark instead of the policies: N robots on one engine (fleet.batched) vs N "
                         "single-robot engines (fleet.separate); several values measure how cost grows with N")
+    adv = p.add_argument_group("--adversarial (bench/adversarial.py): actions first under a flood of questions")
+    adv.add_argument("--adversarial", action="store_true",
+                     help="the engine thread in real time: the paper's workload, then a flood of the longest "
+                          "questions; chunks/s, largest gap, deadline misses, tokens/s (JSON: adversarial)")
+    adv.add_argument("--camera-hz", type=float, default=15.0, help="frames handed to the engine per second")
+    adv.add_argument("--seconds", type=float, default=10.0, help="counted seconds per phase")
+    adv.add_argument("--warmup", type=float, default=2.0, help="uncounted seconds at the start of each phase")
+    adv.add_argument("--flood-queue", type=int, default=64, help="waiting requests the flood keeps queued")
+    adv.add_argument("--compare-unbounded", action="store_true",
+                     help="also the flood with question prefill unbounded by the budget (the old behaviour)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write a PNG plot (matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -100,6 +110,10 @@ def _check_args(p: argparse.ArgumentParser, a) -> list[str]:
             p.error("--robots must be distinct positive integers, e.g. 2 or 1,2,4")
         if a.deadline or a.sweep:
             p.error("--robots runs the fixed decode budget without --sweep")
+    if a.adversarial and (a.robots or a.sweep):
+        p.error("--adversarial runs on its own: not with --robots or --sweep")
+    if a.adversarial and not (a.camera_hz > 0 and a.seconds > 0 and a.warmup >= 0 and a.flood_queue >= 1):
+        p.error("--adversarial needs --camera-hz > 0, --seconds > 0, --warmup >= 0 and --flood-queue >= 1")
     if a.warmup_frames < 0 or a.check_frames < 0:
         p.error("--warmup-frames and --check-frames must be >= 0")
     try:
@@ -272,6 +286,21 @@ def main_fleet(a, cfg, model, started: str, load_start, argv, log) -> int:
     return 0
 
 
+def main_adversarial(a, cfg, model, started: str, load_start, argv, log) -> int:
+    from . import adversarial
+
+    result = {"adversarial": adversarial.run(model, a, cfg, log)}
+    result["meta"] = _meta(a, cfg, model, make_engine(model, "oxygen", a, a.reply_tokens, 1).info, started,
+                           load_start, argv)
+    targets = result["adversarial"]["targets"]
+    log("targets: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in targets.items()))
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(result, indent=2, default=_jsonable, allow_nan=False) + "\n")
+        log(f"wrote {a.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     if any(x.split("=")[0] == "--openpi-clients" for x in (sys.argv[1:] if argv is None else argv)):
         from oxygen_ros.serve.bench_openpi import main as openpi_main     # openpi clients (docs/openpi.md)
@@ -294,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(built in {time.perf_counter() - t:.1f} s)")
     if a.robots:
         return main_fleet(a, cfg, model, started, load_start, argv, log)
+    if a.adversarial:
+        return main_adversarial(a, cfg, model, started, load_start, argv, log)
     engines = {s: make_engine(model, s, a, a.reply_tokens, a.tokens_per_frame) for s in names}
     first = engines[names[0]]
     common = dict(robot=a.robot, arrival=a.arrival, denoise_steps=a.denoise_steps,

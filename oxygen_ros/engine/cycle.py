@@ -48,7 +48,7 @@ class CycleReport:
     question_tokens: int = 0       # question tokens prefilled this cycle (chunked prefill: a part of some)
     duration_s: float = 0.0
     deadline_missed: bool = False
-    preempted: bool = False        # a decode-only cycle ended early for a new observation
+    preempted: bool = False        # its language work ended early for a new observation
     fault: str = ""
     robots: list = field(default_factory=list)      # whose frames this cycle computed, in robot order
     chunks: int = 0                                 # action chunks it delivered

@@ -151,13 +151,21 @@ class Scheduler:
         self.stats.count("submitted")
         return handle
 
+    def waiting_of(self, owner: str, kind: str = "conversation") -> int:
+        """Requests of this kind that this owner has waiting (its per-owner cap: max_queued_per_owner)."""
+        with self._lock:
+            return self._waiting_of(owner, kind)
+
+    def _waiting_of(self, owner: str, kind: str) -> int:
+        return sum(1 for s in self.waiting if s.request.owner == owner and s.request.kind == kind)
+
     def _busy(self, r: TextRequest) -> str:
         """Under the lock: why the waiting queue cannot take `r` now, or "". Each owner (a robot, a client)
         has its own cap per kind, so one owner's flood of questions never refuses another owner's requests
         nor anyone's captions; conversation requests also share the total cap (captions are bounded by
         their own per-owner cap alone: they come at most one per caption period)."""
         c = self.config
-        mine = sum(1 for s in self.waiting if s.request.owner == r.owner and s.request.kind == r.kind)
+        mine = self._waiting_of(r.owner, r.kind)
         if mine >= c.max_queued_per_owner:
             whose = f"robot {r.owner!r}" if r.owner else "the robot"
             return (f"busy: {whose} already has {mine} {r.kind} requests waiting "

@@ -138,12 +138,15 @@ class ActionPublisher(Node):
             response.success = False
             response.message = "engine inactive (oxygen_engine lifecycle): activate it first"
             return response
+        if request.data and self.engine.faulted:
+            # A safe stop is a latch with a reason: it is cleared on purpose, not by enabling in passing.
+            response.success = False
+            response.message = (f"engine safe stop ({self.engine.faulted}): call /oxygen_engine/clear_safe_stop "
+                                "first")
+            return response
         self.set_enabled(request.data)
         response.success = True
         response.message = "action output enabled" if request.data else "action output disabled"
-        if request.data and self.engine.faulted:
-            response.message += f" (engine safe stop cleared: {self.engine.faulted})"
-            self.engine.reset_fault()
         return response
 
     def shut_down(self) -> None:

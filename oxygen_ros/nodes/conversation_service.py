@@ -400,9 +400,11 @@ class ConversationService(Node):
     def diagnostics(self) -> list[DiagnosticStatus]:
         level = DiagnosticStatus.OK
         message = "ready"
-        if self.engine.queued_requests >= self.engine.info.max_queued_requests:
+        mine, config = self.engine.scheduler.waiting_of(self.robot), self.engine.config
+        if mine >= config.max_queued_per_owner or self.engine.queued_requests >= config.max_queued_requests:
             level, message = DiagnosticStatus.WARN, "request queue full: new requests are refused as busy"
         values = dict(self.counts, active=self.engine.active_requests, queued=self.engine.queued_requests,
+                      queued_for_this_robot=mine,
                       active_streams=self._stream_slots,
                       captions=sum(c.robot == self.robot for c in self.engine.captions()))
         return [status(status_name("conversation", self.robot), level, message, values)]

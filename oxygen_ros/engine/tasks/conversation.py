@@ -6,8 +6,10 @@ of this cycle); prefill the next chunk of the admitted questions on top of their
 batched forward, as many tokens as the budget says fit (a long question spreads over cycles; a request
 whose question is complete gets its first token); then advance every running request together, one
 batched decode step at a time, whatever frame or robot each is attached to, while the budget says the next
-step still ends before the deadline. A cycle without a frame stops at the next step boundary when a new
-observation is waiting (actions first). The scheduler decides how much (`LanguageBudget`); this task runs it.
+step still ends before the deadline. A new observation waiting for the engine ends the language work at the
+next step boundary once the budget's minimum is done (deadline budget; a cycle without a frame stops at
+once): actions first, at the camera's rate, and language gets the time that is left, and always some. The
+scheduler decides how much (`LanguageBudget`); this task runs it.
 
 The other policies exist for side-by-side runs: `isolated` (openpi-style: each request prefills its own
 copy of the frame, then its whole question, then is decoded to completion inside the frame) and
@@ -37,22 +39,26 @@ class ConversationTask:
 
     def run(self, frames: dict[str, Frame], report: CycleReport, deadline: float) -> None:
         """This cycle's language work: admission onto `frames` ({robot: frame}, possibly none), question
-        prefill, then decode until `deadline` (engine clock)."""
+        prefill, then decode until `deadline` (engine clock), or until a new observation is waiting (actions
+        first) once the budget's minimum is done (decode_budget deadline; a cycle without a frame stops at
+        once)."""
         sched = self.scheduler
         t = self.clock()
         admitted = self._admit(frames, report) if frames else []
         if self.config.policy != "oxygen":
             self._to_completion(admitted, report, t)
             return
+        preemptible = self.config.decode_budget == "deadline"
         if frames or not self.frame_waiting():
-            self._prefill(sched.prefill_chunks(self.clock(), deadline), report)
+            waiting = preemptible and self.frame_waiting()          # then only the minimum chunk of prefill
+            self._prefill(sched.prefill_chunks(self.clock(), self.clock() if waiting else deadline), report)
         report.admit_s = self.clock() - t
         t = self.clock()
         steps = 0
         while batch := sched.decode_batch():
             if not sched.budget.another_step(steps, self.clock(), deadline, len(batch)):
                 break
-            if not frames and self.frame_waiting():
+            if (not frames or preemptible and steps >= sched.budget.min_steps) and self.frame_waiting():
                 report.preempted = True        # a new frame is waiting: actions first
                 break
             s = self.clock()
