@@ -106,6 +106,30 @@ def test_a_flood_of_long_questions_keeps_every_frame_inside_its_deadline(engine_
     assert any(r.success for r in done) and all(r.success or r.error for r in done)
 
 
+def test_language_ends_by_the_next_camera_frame_so_chunks_follow_the_camera(engine_factory, obs):
+    """A camera at 10 Hz (every 0.1 s) and a chunk deadline of 0.2 s: under a flood the language work ends by
+    the next expected frame, not by the deadline, so every frame gets its chunk as it arrives. (The
+    guaranteed minimum is set small enough to fit the 30 ms a frame leaves: see the next test for it.)"""
+    clock = SimClock()
+    engine = engine_factory(clock=clock, policy="oxygen", decode_budget="deadline", action_rate_hz=25.0,
+                            kv_budget_mb=64.0, max_queued_requests=64, max_queued_per_owner=64,
+                            prefill_chunk_tokens=8, min_tokens_per_frame=0)
+    simulate_costs(engine, clock)
+    reports, camera_s = [], 0.1
+    next_frame = clock.t
+    for i in range(30):
+        for _ in range(64 - engine.queued_requests):
+            engine.submit(TextRequest(LONG, max_tokens=32))
+        clock.t = max(clock.t, next_frame)                     # the engine waits for the camera
+        engine.submit_observation(obs(i))
+        next_frame += camera_s
+        reports.append(engine.run_frames())
+    later = reports[5:]
+    assert all(r.chunks == 1 for r in reports)
+    assert max(r.duration_s for r in later) <= camera_s + 1e-9, [round(r.duration_s, 3) for r in later]
+    assert all(r.question_tokens >= engine.config.prefill_chunk_tokens for r in later)     # still advancing
+
+
 def test_question_prefill_progresses_even_when_the_frame_is_already_late(engine_factory, obs):
     """Prefill and actions alone exceed the frame period: the budget still prefills one chunk and decodes
     min_tokens_per_frame steps per cycle (language slowed, never starved)."""

@@ -10,19 +10,36 @@ from oxygen_ros.engine.scheduler import LanguageBudget
 def test_decode_budget_rules():
     fixed = LanguageBudget("fixed", tokens_per_frame=5, min_steps=1, chunk_tokens=64)
     assert [fixed.another_step(s, 0.0, -1.0, 4) for s in range(6)] == [True] * 5 + [False]
+    assert fixed.prefill_tokens(0.0, -1.0, 4, 2, guaranteed=False) == 64          # fixed: the chunk, always
     dl = LanguageBudget("deadline", tokens_per_frame=5, min_steps=2, chunk_tokens=64)
     assert dl.another_step(0, now=10.0, deadline=9.0, batch=3)      # minimum progress even when late
     assert dl.another_step(1, now=10.0, deadline=9.0, batch=3)
     assert not dl.another_step(2, now=10.0, deadline=9.0, batch=3)
-    dl.observe(3, 0.2)
-    assert dl.predict(3) == pytest.approx(0.2)
-    dl.observe(3, 0.1)
-    assert dl.predict(3) == pytest.approx(0.2 + 0.3 * (0.1 - 0.2))
-    assert dl.predict(4) == dl.predict(3)                            # nearest measured batch size
+    assert dl.prefill_tokens(0.0, 1.0, 0, 1, guaranteed=True) == 64              # unmeasured: the minimum
+    assert dl.prefill_tokens(0.0, 1.0, 0, 1, guaranteed=False) == 0
+    dl.observe(3, 3, 0.2)
+    assert dl.cost.step(3) == pytest.approx(0.2)
+    dl.observe(3, 3, 0.1)
+    assert dl.cost.step(3) == pytest.approx(0.2 + 0.3 * (0.1 - 0.2))             # moving average per batch
     assert dl.another_step(2, now=1.0, deadline=1.17, batch=3)
     assert not dl.another_step(2, now=1.0, deadline=1.16, batch=3)
     with pytest.raises(ValueError):
         LanguageBudget("eager", 1, 1, 64)
+
+
+def test_the_cost_model_learns_a_forward_from_decode_steps_and_question_prefills():
+    """time = a + b x rows + c x tokens, from what the forwards measured: question prefills make the token
+    cost identifiable; an unmeasured batch size is predicted from the fit, not from its nearest neighbour."""
+    budget = LanguageBudget("deadline", tokens_per_frame=5, min_steps=1, chunk_tokens=16)
+    cost = lambda rows, tokens: 0.010 + 0.002 * rows + 0.0005 * tokens             # noqa: E731
+    for rows, tokens in [(1, 1), (4, 4), (8, 8), (2, 150), (3, 300), (1, 64)]:
+        budget.observe(rows, tokens, cost(rows, tokens))
+    assert budget.cost.step(20) == pytest.approx(cost(20, 20))
+    assert budget.cost.forward(5, 500) == pytest.approx(cost(5, 500))
+    # 0.2 s left, one decode step of 8 rows after it (0.030 s): a forward over 2 questions takes 312 tokens
+    assert abs(budget.prefill_tokens(0.0, 0.2, 8, 2, guaranteed=True) - (0.2 - cost(8, 8) - 0.014) / 0.0005) <= 1
+    assert budget.prefill_tokens(0.0, 0.02, 8, 2, guaranteed=True) == 16        # the minimum when nothing fits
+    assert budget.prefill_tokens(0.0, 0.02, 8, 2, guaranteed=False) == 0
 
 
 def test_deadline_budget_fills_the_frame_period_and_no_more(engine_factory, obs):

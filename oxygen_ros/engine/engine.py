@@ -96,9 +96,8 @@ class Engine:
 
     # ================================================================== robots (any thread)
     def add_robot(self, name: str, preparer: FramePreparer) -> EngineInfo:
-        """Serve one more robot from now on (a connecting client, a fleet member): its observations, chunks,
-        requests and statistics are its own. ValueError when the name is taken or the KV pool cannot keep
-        room for one more frame per cycle."""
+        """Serve one more robot from now on (a connecting client, a fleet member). ValueError when the name
+        is taken, the KV pool cannot keep room for one more frame per cycle, or (strict_capacity) it won't fit."""
         with self._robots.lock:
             self._capacity.check_added({**self._robots.chunk_periods(), name: self._robots.chunk_period(preparer)})
             info = self._robots.add(name, preparer)
@@ -108,9 +107,8 @@ class Engine:
         return info
 
     def remove_robot(self, name: str, reason: str = "its robot left the engine") -> None:
-        """Stop serving a robot: its pending observation is dropped, its queued and running requests end
-        with `reason` (running ones at the next cycle's start), its statistics go. A chunk of a cycle already
-        under way may still reach the chunk listeners."""
+        """Stop serving a robot: its pending observation is dropped, its requests end with `reason` (running
+        ones at the next cycle's start), its statistics go; a chunk of a cycle under way may still come."""
         with self._robots.lock:
             self._robots.remove(name)
             self.scheduler.set_robots(self._robots.names, self._robots.reserve_blocks())
@@ -152,7 +150,8 @@ class Engine:
     def submit_observation(self, obs, noise: np.ndarray | None = None, robot: str = "") -> None:
         """Hand over a robot's newest observation (oxygen_ros.robot.sync.Observation); it replaces that
         robot's unconsumed older one (counted as dropped). Never blocks. ValueError for an unknown robot."""
-        self._intake.put(robot, Pending(obs, noise, self.clock() + self.robot_info(robot).chunk_period_s))
+        now = self.clock()
+        self._intake.put(robot, Pending(obs, noise, now + self.robot_info(robot).chunk_period_s), arrived=now)
 
     def latest_chunk(self, robot: str = "") -> ChunkResult | None:
         return self.actions.latest.get(self._robots.info(robot).robot)
@@ -296,7 +295,9 @@ class Engine:
         with contextlib.ExitStack() as cycle:       # the cycle's frame references, released on every path
             frames = self._frames(due, report, cycle) if due and not self.faulted else []
             if frames or self.scheduler.has_work:
-                self.conversation.run({f.robot: f for f in frames}, report, start + self.frame_period)
+                # Language ends by the chunk deadline, and by the next camera frame expected (actions first).
+                deadline = min(start + self.frame_period, self._intake.next_arrival(self.clock()) or float("inf"))
+                self.conversation.run({f.robot: f for f in frames}, report, deadline)
         report.duration_s = self.clock() - start
         report.deadline_missed = bool(due) and report.duration_s > self.frame_period
         self._preparer_thread.cycle_ended(report.duration_s, bool(due))

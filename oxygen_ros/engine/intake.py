@@ -53,6 +53,7 @@ class Intake:
         self.raw: dict[str, Pending | None] = dict.fromkeys(robots)
         self.ready: dict[str, Pending | None] = dict.fromkeys(robots)
         self.dropped: dict[str, int] = dict.fromkeys(robots, 0)
+        self._arrivals: dict[str, tuple[float, float | None]] = {}   # robot -> (last arrival, mean interval)
 
     def add_robot(self, robot: str) -> None:
         with self.cv:
@@ -64,12 +65,29 @@ class Intake:
         """Forget a robot and whatever it had pending (a preparation in flight for it is discarded)."""
         with self.cv:
             self.robots = tuple(r for r in self.robots if r != robot)
-            for slots in (self.raw, self.ready, self.dropped):
+            for slots in (self.raw, self.ready, self.dropped, self._arrivals):
                 slots.pop(robot, None)
 
-    def put(self, robot: str, item: Pending) -> None:
+    def put(self, robot: str, item: Pending, arrived: float | None = None) -> None:
+        """`arrived`: the engine-clock time a live observation arrived (its camera's rhythm is learnt from
+        these: `next_arrival`); None for observations handed to a synchronous cycle."""
         with self.cv:
             self._replace(self.raw, robot, item)
+            if arrived is not None:
+                last, interval = self._arrivals.get(robot, (None, None))
+                if last is not None and arrived > last:
+                    gap = arrived - last
+                    interval = gap if interval is None else interval + 0.3 * (gap - interval)
+                self._arrivals[robot] = (arrived, interval)
+
+    def next_arrival(self, now: float) -> float | None:
+        """When the next live observation of any robot is expected (engine clock), from each robot's last
+        arrival and its cameras' mean interval; None when no robot has a rhythm. A robot silent for more
+        than three intervals (a camera stopped) is not expected."""
+        with self.cv:
+            expected = [last + interval for last, interval in self._arrivals.values()
+                        if interval is not None and now - last <= 3 * interval]
+        return max(now, min(expected)) if expected else None
 
     def put_ready(self, robot: str, item: Pending) -> None:
         with self.cv:

@@ -27,6 +27,7 @@ import math
 import threading
 from typing import Callable, Mapping
 
+import numpy as np
 import torch
 
 from oxygen_ros.model.sampler import sample
@@ -45,58 +46,86 @@ log = logging.getLogger("oxygen_ros.engine")
 KINDS = ("conversation", "memory")
 
 
+class ForwardCost:
+    """The online cost model of a text forward (a decode step or a question prefill): time = a + b x rows +
+    c x tokens, fitted by least squares over the last `window` forwards measured, plus the exact moving
+    average of decode steps per batch size (rows = tokens), which wins where it exists. Before anything is
+    measured every prediction is 0 (the guaranteed minimum work then measures it)."""
+
+    def __init__(self, window: int = 64, smoothing: float = 0.3):
+        self.smoothing = smoothing
+        self._step_s: dict[int, float] = {}                       # decode steps: batch size -> moving average
+        self._seen: collections.deque = collections.deque(maxlen=window)   # (rows, tokens, seconds)
+        self._coef: np.ndarray | None = None
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        if rows == tokens:
+            self._step_s[rows] = _ema(self._step_s.get(rows), seconds, self.smoothing)
+        self._seen.append((rows, tokens, seconds))
+        x = np.array([(1.0, r, t) for r, t, _ in self._seen])
+        coef = np.linalg.lstsq(x, np.array([s for _, _, s in self._seen]), rcond=None)[0]
+        self._coef = coef if (coef >= 0).all() else None          # a fit that makes no sense yet: unused
+
+    def step(self, batch: int) -> float:
+        """A decode step of `batch` rows: its own average, else the linear model, else (no usable fit yet)
+        scaled from the nearest measured size (up to the larger, proportionally from a smaller one)."""
+        if batch in self._step_s:
+            return self._step_s[batch]
+        if self._coef is not None:
+            return self.forward(batch, batch)
+        larger = [b for b in self._step_s if b > batch]
+        if larger:
+            return self._step_s[min(larger)]
+        smaller = [b for b in self._step_s if b < batch]
+        return self._step_s[max(smaller)] * batch / max(smaller) if smaller else 0.0
+
+    def forward(self, rows: int, tokens: int) -> float:
+        return 0.0 if self._coef is None else float(self._coef @ (1.0, rows, tokens))
+
+    def tokens_within(self, seconds: float, rows: int) -> int | None:
+        """Most tokens a forward over `rows` rows can take in `seconds` (None: no usable fit yet)."""
+        if self._coef is None or self._coef[2] <= 0:
+            return None
+        return max(0, int((seconds - self._coef[0] - self._coef[1] * rows) / self._coef[2]))
+
+
 class LanguageBudget:
-    """How much language work a cycle does, from an online cost model (exponential moving averages of what
-    the steps measured). The cycle's deadline is when its robots' next chunks are due; the actions come first.
+    """How much language work a cycle does, from the online cost model (`ForwardCost`) of what the forwards
+    measured. The cycle's deadline is the earlier of its robots' next chunk due and the next camera frame
+    expected (actions first).
 
     Question prefill, chunked (as Sarathi-Serve and vLLM do): each cycle prefills the next tokens of the
     questions admitted so far, in one batched forward, and a long question spreads over cycles (its partial
     KV stays in its own blocks). "deadline": as many question tokens as fit before the deadline after
-    `min_steps` decode steps of the running batch, and at least `chunk_tokens` while questions wait (language
-    is slowed, never starved); "fixed": exactly up to `chunk_tokens`.
+    `min_steps` decode steps of the running batch, and in a frame cycle at least `chunk_tokens` while
+    questions wait (language is slowed, never starved); "fixed": exactly up to `chunk_tokens`.
     Decode steps: "fixed": exactly `tokens_per_frame` per cycle (the OxyGen paper's setting); "deadline":
-    while the predicted end of the next step stays before the deadline, and at least `min_steps`.
-    Step times are measured per batch size; a prefill forward of T tokens over R rows is predicted as a
-    decode step of R rows plus T times the measured cost of one more token."""
+    while the predicted end of the next step stays before the deadline, and at least `min_steps`."""
 
-    def __init__(self, mode: str, tokens_per_frame: int, min_steps: int, chunk_tokens: int, smoothing: float = 0.3):
+    def __init__(self, mode: str, tokens_per_frame: int, min_steps: int, chunk_tokens: int):
         if mode not in ("fixed", "deadline"):
             raise ValueError(f"unknown decode budget mode {mode!r}")
         self.mode, self.tokens_per_frame, self.min_steps = mode, tokens_per_frame, min_steps
-        self.chunk_tokens, self.smoothing = chunk_tokens, smoothing
-        self._step_s: dict[int, float] = {}
-        self.token_s: float | None = None          # measured cost of one more prefill token (None: not yet)
+        self.chunk_tokens = chunk_tokens
+        self.cost = ForwardCost()
 
     def another_step(self, steps_done: int, now: float, deadline: float, batch: int) -> bool:
         if self.mode == "fixed":
             return steps_done < self.tokens_per_frame
         if steps_done < self.min_steps:
             return True
-        return now + self.predict(batch) <= deadline
+        return now + self.cost.step(batch) <= deadline
 
-    def prefill_tokens(self, now: float, deadline: float, decode_batch: int, rows: int) -> int:
+    def prefill_tokens(self, now: float, deadline: float, decode_batch: int, rows: int, guaranteed: bool) -> int:
         """Question tokens to prefill in this cycle's forward over `rows` questions, with `decode_batch`
-        requests decoding after it."""
-        if self.mode == "fixed" or self.token_s is None:     # unmeasured: the minimum, which measures it
-            return self.chunk_tokens
-        left = deadline - now - self.predict(rows) - (self.min_steps * self.predict(decode_batch) if decode_batch else 0.0)
-        return max(self.chunk_tokens, int(left / self.token_s) if left > 0 else 0)
+        requests decoding after it; at least `chunk_tokens` when `guaranteed` (a frame cycle)."""
+        minimum = self.chunk_tokens if guaranteed or self.mode == "fixed" else 0
+        left = deadline - now - (self.min_steps * self.cost.step(decode_batch) if decode_batch else 0.0)
+        fit = self.cost.tokens_within(left, rows) if self.mode == "deadline" else None
+        return minimum if fit is None else max(minimum, fit)
 
-    def observe(self, batch: int, seconds: float) -> None:
-        self._step_s[batch] = _ema(self._step_s.get(batch), seconds, self.smoothing)
-
-    def observe_prefill(self, rows: int, tokens: int, seconds: float) -> None:
-        extra = max(seconds - self.predict(rows), 0.0) / max(tokens - rows, 1)
-        self.token_s = _ema(self.token_s, extra, self.smoothing)
-
-    def predict(self, batch: int) -> float:
-        """Predicted step time at this batch size: its own average, else the nearest measured size's."""
-        if batch in self._step_s:
-            return self._step_s[batch]
-        if not self._step_s:
-            return 0.0
-        nearest = min(self._step_s, key=lambda b: (abs(b - batch), -b))
-        return self._step_s[nearest]
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        self.cost.observe(rows, tokens, seconds)
 
 
 def _ema(old: float | None, new: float, smoothing: float) -> float:
@@ -324,13 +353,15 @@ class Scheduler:
         """The running sequences whose question is prefilled (each has its last sampled token to feed)."""
         return [s for s in self.running if not s.prefilling][:self.config.max_active_requests]
 
-    def prefill_chunks(self, now: float, deadline: float) -> list[tuple[Sequence, int]]:
+    def prefill_chunks(self, now: float, deadline: float, guaranteed: bool = True) -> list[tuple[Sequence, int]]:
         """This cycle's question prefill: (sequence, tokens of its question to append now), first admitted
-        first, within the budget's token count (chunked prefill; see LanguageBudget)."""
+        first, within the budget's token count (chunked prefill; see LanguageBudget); `guaranteed`: at least
+        the minimum chunk (a frame cycle)."""
         prefilling = [s for s in self.running if s.prefilling]
         if not prefilling:
             return []
-        left = self.budget.prefill_tokens(now, deadline, len(self.running) - len(prefilling), len(prefilling))
+        left = self.budget.prefill_tokens(now, deadline, len(self.running) - len(prefilling), len(prefilling),
+                                          guaranteed)
         chunks = []
         for seq in prefilling:
             n = min(len(seq.question) - seq.own_len, left)

@@ -51,7 +51,8 @@ class ConversationTask:
         preemptible = self.config.decode_budget == "deadline"
         if frames or not self.frame_waiting():
             waiting = preemptible and self.frame_waiting()          # then only the minimum chunk of prefill
-            self._prefill(sched.prefill_chunks(self.clock(), self.clock() if waiting else deadline), report)
+            self._prefill(sched.prefill_chunks(self.clock(), self.clock() if waiting else deadline, bool(frames)),
+                          report)
         report.admit_s = self.clock() - t
         t = self.clock()
         steps = 0
@@ -63,7 +64,7 @@ class ConversationTask:
                 break
             s = self.clock()
             self._decode_step(batch, report)
-            sched.budget.observe(len(batch), self.clock() - s)
+            sched.budget.observe(len(batch), len(batch), self.clock() - s)
             steps += 1
         report.decode_s = self.clock() - t
 
@@ -110,7 +111,7 @@ class ConversationTask:
             log.exception("question prefill failed")
             self.scheduler.fail(seqs, f"question prefill failed: {e}")
             return
-        self.scheduler.budget.observe_prefill(len(chunks), sum(counts), self.clock() - s)
+        self.scheduler.budget.observe(len(chunks), sum(counts), self.clock() - s)
         report.question_tokens += sum(counts)
         report.tokens += self.scheduler.postprocess(seqs, counts, logits)
 
