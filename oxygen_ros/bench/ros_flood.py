@@ -39,6 +39,8 @@ def _busy(stop: threading.Event) -> None:
 def child(argv: list[str]) -> int:
     """Inside the bringup's process: start the busy threads, then run the bringup."""
     busy = int(os.environ.get("OXYGEN_BENCH_BUSY_THREADS", "0"))
+    if os.environ.get("OXYGEN_BENCH_SWITCH_INTERVAL"):
+        sys.setswitchinterval(float(os.environ["OXYGEN_BENCH_SWITCH_INTERVAL"]))
     stop = threading.Event()
     for _ in range(busy):
         threading.Thread(target=_busy, args=(stop,), daemon=True).start()
