@@ -77,14 +77,15 @@ def status_line(engine, robots: list) -> str:
     deadline misses), then the engine."""
     s = engine.stats.snapshot()
     if len(robots) == 1 and not robots[0].robot:
-        r = robots[0].action.rate.summary()
+        r, mine = robots[0].action.rate.summary(), s["robots"][""]
         actions = (f"actions {r['rate_hz']:5.1f} Hz (jitter {r['period_ms_std']:.1f} ms, "
-                   f"{robots[0].action.last_status})")
+                   f"{robots[0].action.last_status}) | chunks {mine['chunks_per_s']:5.1f}/s, "
+                   f"{mine['deadline_misses']} late")
     else:
         actions = "robots " + ", ".join(
             f"{robot.robot} {robot.action.rate.summary()['rate_hz']:5.1f} Hz {robot.action.last_status} "
-            f"({s['robots'][robot.robot]['chunks']} chunks, {s['robots'][robot.robot]['deadline_misses']} late)"
-            for robot in robots)
+            f"({s['robots'][robot.robot]['chunks_per_s']:.1f} chunks/s, {s['robots'][robot.robot]['deadline_misses']} "
+            f"late)" for robot in robots)
     return (f"[status] {actions} | "
             f"frame {s['frame_ms_mean']:6.1f} ms (prefill {s['prefill_ms_mean']:.0f}, actions {s['action_ms_mean']:.0f}, "
             f"text {s['decode_ms_mean']:.0f}) -> {s['action_hz']:5.1f} Hz chunk rate | "

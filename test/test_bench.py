@@ -90,3 +90,21 @@ def test_bad_flags():
         main(["--settings", "isolated,fast"])
     with pytest.raises(SystemExit):
         main(["--tokens-per-frame", "3", "--deadline"])
+
+
+def test_adversarial_json(tmp_path):
+    """`--adversarial` for half a second per phase: the JSON's fields and types, every question accounted
+    for with a reason. Rates are not asserted (docs/adversarial_*.json hold the figures)."""
+    out = tmp_path / "adv.json"
+    assert main(["--preset", "tiny", "--adversarial", "--seconds", "0.5", "--warmup", "0.3", "--threads", "1",
+                 "--json", str(out), "--quiet"]) == 0
+    adv = json.loads(out.read_text())["adversarial"]
+    for phase in ("baseline", "flood"):
+        for key, kind in [("chunks_per_s", float), ("max_chunk_gap_ms", float), ("deadline_misses", int),
+                          ("tokens_per_s", float), ("questions_answered", int), ("questions_refused", int)]:
+            assert _number(adv[phase][key], kind), (phase, key, adv[phase][key])
+        assert adv[phase]["questions_without_reason"] == 0
+    assert adv["flood"]["questions_answered"] + adv["flood"]["questions_ended"] > 0      # the flood ran
+    assert set(adv["targets"]) >= {"chunks_kept", "gap_kept", "language_served", "every_question_has_a_reason"}
+    with pytest.raises(SystemExit):
+        main(["--adversarial", "--robots", "2"])

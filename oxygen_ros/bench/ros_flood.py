@@ -11,7 +11,8 @@ a hostile but legal DDS client. Phases, each in a fresh bringup:
 Measured here, on the messages' arrival: publish_hz and publish_period_p99_ms on /oxygen/action (the
 commands), chunks_per_s and max_chunk_gap_ms on /oxygen/action_chunk (a chunk the publisher took), and the
 flood's replies (answered, refused, other; tokens per second). The first --warmup seconds of each phase
-after the first command are not counted.
+after the first command are not counted. --switch-interval-ms sets the bringup process's
+sys.setswitchinterval (an experiment on the interpreter lock; Python's default is 5 ms).
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ def _busy(stop: threading.Event) -> None:
 def child(argv: list[str]) -> int:
     """Inside the bringup's process: start the busy threads, then run the bringup."""
     busy = int(os.environ.get("OXYGEN_BENCH_BUSY_THREADS", "0"))
-    if os.environ.get("OXYGEN_BENCH_SWITCH_INTERVAL"):
-        sys.setswitchinterval(float(os.environ["OXYGEN_BENCH_SWITCH_INTERVAL"]))
+    if os.environ.get("OXYGEN_BENCH_SWITCH_INTERVAL_MS"):
+        sys.setswitchinterval(float(os.environ["OXYGEN_BENCH_SWITCH_INTERVAL_MS"]) / 1e3)
     stop = threading.Event()
     for _ in range(busy):
         threading.Thread(target=_busy, args=(stop,), daemon=True).start()
@@ -67,7 +68,8 @@ def run_phase(phase: str, a, domain: int, log) -> dict:
     params.write_text("oxygen_engine:\n  ros__parameters:\n"
                       f"    max_queued_requests: {max(64, a.flood)}\n    max_queued_per_owner: {max(64, a.flood)}\n")
     env = dict(os.environ, ROS_DOMAIN_ID=str(domain), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               OXYGEN_BENCH_BUSY_THREADS=str(a.busy_threads if phase == "flood_busy" else 0))
+               OXYGEN_BENCH_BUSY_THREADS=str(a.busy_threads if phase == "flood_busy" else 0),
+               OXYGEN_BENCH_SWITCH_INTERVAL_MS=str(a.switch_interval_ms or ""))
     proc = subprocess.Popen([sys.executable, "-m", "oxygen_ros.bench.ros_flood", "--child", "--demo",
                              "--params-file", str(params), "--status-period", "0"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -158,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--busy-threads", type=int, default=2)
     p.add_argument("--max-question-chars", type=int, default=2000)
     p.add_argument("--phases", default=",".join(PHASES))
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="the bringup process's interpreter switch interval (default: Python's, 5 ms)")
     p.add_argument("--startup-timeout", type=float, default=120.0)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)

@@ -255,12 +255,14 @@ class ConsoleNode(Node):
     # ------------------------------------------------------------------ handlers
     def status(self) -> dict:
         s = self.engine.stats.snapshot()
+        robot = s["robots"].get("", {})         # the console serves the single robot (refused with a fleet)
         r = self.action.rate.summary()
         obs = self._obs
         return {
             "lifecycle": self.lifecycle_state(), "enabled": self.action.enabled,
             "action_state": self.action.last_status, "action_hz": r["rate_hz"], "jitter_ms": r["period_ms_std"],
             "chunk_hz": s["action_hz"], "frame_ms": s["frame_ms_mean"], "tokens_per_s": s["tokens_per_s"],
+            "chunks_per_s": robot.get("chunks_per_s", 0.0), "late_chunks": robot.get("deadline_misses", 0),
             "kv_used": s["pool_blocks_used"], "kv_total": s["pool_blocks_total"], "faults": s["faults"],
             "safe_stop": self.engine.faulted, "dropped": s["dropped_frames"], "frames": s["frames"],
             "active_requests": s["active_requests"], "queued_requests": s["queued_requests"],

@@ -94,7 +94,7 @@ def predict(cost: CycleCost, chunk_periods: dict[str, float], max_per_cycle: int
                     {r: 1.0 / p for r, p in chunk_periods.items()})
 
 
-def measure(runner: ModelRunner, frames: int, denoise_steps: int | None, repeats: int = 2) -> CycleCost:
+def measure(runner: ModelRunner, frames: int, denoise_steps: int | None, repeats: int = 1) -> CycleCost:
     """Time prefill + actions of a worst-case frame at 1 and at `frames` frames (best of `repeats`, after
     one untimed warm-up), on the engine thread's model; the frames' KV is released at once."""
     cfg = runner.cfg

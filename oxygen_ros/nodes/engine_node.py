@@ -125,6 +125,7 @@ class EngineNode(LifecycleNode):
         self.engine: Engine | None = None
         self.attached: AttachedNodes | None = None
         self.failure = ""                          # why the last configure failed (empty: it did not)
+        self.capacity = None                       # the engine's capacity prediction (capacity.py), at configure
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self.create_timer(1.0, self._publish_diagnostics)
         # The safe stop (max_consecutive_faults faulty frames in a row) is a latch with a reason: cleared by
@@ -349,6 +350,11 @@ class EngineNode(LifecycleNode):
                                f"{'on' if engine.info.cuda_graphs else 'off'}{serves}")
         if engine.stats.counter("graph_capture_failures"):
             self.get_logger().warning(engine.stats.last_error)
+        try:
+            self.capacity = engine.capacity()      # measured on the model now (or frame_cost_ms declared)
+        except ValueError as e:                    # strict_capacity
+            raise ParameterError(str(e)) from None
+        (self.get_logger().warning if self.capacity.short else self.get_logger().info)(self.capacity.summary())
         return engine
 
     # ------------------------------------------------------------------ diagnostics
@@ -373,11 +379,17 @@ class EngineNode(LifecycleNode):
             level, message = DiagnosticStatus.WARN, f"{lifecycle}: model loaded, actions off"
         elif self.engine.faulted:
             level, message = DiagnosticStatus.ERROR, f"safe stop: {self.engine.faulted}"
+        elif self.capacity is not None and self.capacity.short:
+            level, message = DiagnosticStatus.WARN, f"predicted short of chunk periods: {self.capacity.summary()}"
         elif s["frames"] == 0:
             level, message = DiagnosticStatus.WARN, "no frame processed yet"
         elif s["frame_ms_mean"] > 1e3 * self.engine.info.frame_period_s:
             level, message = DiagnosticStatus.WARN, "frames slower than the action horizon lasts"
         values = {"lifecycle": lifecycle}
+        if not self.fleet:                          # the single robot: its own figures here
+            robot = s["robots"].get("", {})
+            values.update(chunks_per_s=robot.get("chunks_per_s", 0.0),
+                          predicted_chunks_per_s=self._predicted(""), needed_chunks_per_s=self._needed(""))
         values.update({k: s[k] for k in ("frames", "frame_ms_mean", "frame_ms_p99", "prefill_ms_mean", "action_ms_mean",
                                          "action_hz", "tokens_per_s", "avg_batch", "deadline_misses", "dropped_frames",
                                          "faults", "active_requests", "queued_requests", "pool_blocks_used",
@@ -396,7 +408,18 @@ class EngineNode(LifecycleNode):
             level, message = DiagnosticStatus.WARN, f"{lifecycle}: actions off"
         elif s["chunks"] == 0:
             level, message = DiagnosticStatus.WARN, "no chunk for this robot yet"
-        return status(status_name("engine", robot), level, message, dict(s, chunk_period_s=self.engine.robot_info(robot).chunk_period_s))
+        elif robot in (self.capacity.short if self.capacity is not None else ()):
+            level, message = DiagnosticStatus.WARN, (f"predicted {self._predicted(robot):.1f} chunks/s, needs "
+                                                     f"{self._needed(robot):.1f}: the fleet does not fit")
+        return status(status_name("engine", robot), level, message,
+                      dict(s, chunk_period_s=self.engine.robot_info(robot).chunk_period_s,
+                           predicted_chunks_per_s=self._predicted(robot), needed_chunks_per_s=self._needed(robot)))
+
+    def _predicted(self, robot: str) -> float:
+        return self.capacity.chunks_per_s.get(robot, 0.0) if self.capacity is not None else 0.0
+
+    def _needed(self, robot: str) -> float:
+        return self.capacity.needed_per_s.get(robot, 0.0) if self.capacity is not None else 0.0
 
 
 def free_memory(device: str) -> int | None:
