@@ -56,22 +56,6 @@ def parse_args(argv):
     return args, ros_args
 
 
-def demo_weights_params() -> Path:
-    """A parameters file pointing the engine at the shipped demo weights (their path depends on where the
-    package is installed, so config/demo.yaml cannot name it)."""
-    import hashlib
-    import tempfile
-
-    from .eval import demo_checkpoint
-
-    weights = demo_checkpoint()
-    digest = hashlib.sha1(str(weights).encode()).hexdigest()[:12]
-    path = Path(tempfile.gettempdir()) / f"oxygen_demo_weights_{digest}.yaml"
-    path.write_text(f"oxygen_engine:\n  ros__parameters:\n    checkpoint: '{weights}'\n"
-                    f"    norm_stats: '{weights / 'norm_stats.json'}'\n")
-    return path
-
-
 def status_line(engine, robots: list) -> str:
     """One line for the process: the single robot's actions, or each fleet robot's (rate, state, chunks,
     deadline misses), then the engine."""
@@ -373,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .nodes.engine_node import EngineNode
     from .nodes.fleet import ParamsFiles
-    from .robot.configs import find_config
+    from .robot.configs import demo_weights_params, find_config
 
     try:
         files = ([str(find_config(args.robot))] if args.robot else []) + args.params_file

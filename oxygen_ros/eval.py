@@ -31,7 +31,6 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +38,7 @@ import torch
 import yaml
 
 from oxygen_ros.engine.engine import POLICIES, ChunkResult, EngineConfig
+from oxygen_ros.robot.configs import demo_checkpoint
 from oxygen_ros.engine.factory import build_engine, build_model, model_config
 from oxygen_ros.engine.requests import TextRequest
 from oxygen_ros.model import rtc
@@ -50,11 +50,6 @@ from oxygen_ros.sim.questions import scene_questions
 from oxygen_ros.sim.scene import CONTROL_PERIOD_S, Layout, ReachScene, task_prompt, touch_point
 
 CAMERA_SLOT = "base_0_rgb"
-
-
-def demo_checkpoint() -> Path:
-    """The shipped demo weights (model.safetensors, norm_stats.json, config.json)."""
-    return Path(str(resources.files("oxygen_ros.model") / "assets" / "demo"))
 
 
 class EnginePolicy:

@@ -121,9 +121,9 @@ def test_subtask_mode_conditions_the_action_prompt(engine_factory, obs):
     prefill = sub.runner.prefill
     sub.runner.prefill = lambda rows, *a: (prefilled.append(rows), prefill(rows, *a))[1]
     sub.run_cycle(obs(0), noise)
-    assert sub.subtask_text and sub.subtask_text == sub.subtask_text.strip()
+    assert sub.subtask.text and sub.subtask.text == sub.subtask.text.strip()
     prompt = sub.tokenizer.decode(prefilled[-1][0].tokens.tolist())
-    assert f"Task: pick up the red cup. Subtask: {sub.subtask_text}, State:" in prompt
+    assert f"Task: pick up the red cup. Subtask: {sub.subtask.text}, State:" in prompt
     assert not np.allclose(plain.latest_chunk().model_actions, sub.latest_chunk().model_actions)
     assert sub.runner.pool.blocks.num_used == 0
 

@@ -42,7 +42,7 @@ from .frames import FramePreparer
 from .intake import Intake, Pending, PreparerThread
 from .model_runner import EngineFault, ModelRunner
 from .robots import EngineInfo, Robots
-from .requests import RequestHandle, Sampling, TextRequest, refused
+from .requests import RequestHandle, TextRequest, refused
 from .scheduler import Scheduler
 from .stats import EngineStats
 from .tasks import ActionsTask, Caption, CaptionsTask, ChunkResult, ConversationTask, SubtaskTask
@@ -73,8 +73,8 @@ class Engine:
             runner.model.device.type == "cuda"
         self._intake = Intake(())
         self._preparer_thread = PreparerThread(self._intake, lambda r: self.preparers.get(r), lambda: self.clock())
-        self._chunk_listeners, self._caption_listeners = Listeners(self.stats), Listeners(self.stats)
-        self._frame_listeners = Listeners(self.stats)
+        self._chunk_listeners, self._caption_listeners, self._frame_listeners, self._discard_listeners = (
+            Listeners(self.stats), Listeners(self.stats), Listeners(self.stats), Listeners(self.stats))
         # The frame's tasks, in cycle order (tasks/): each owns its state.
         self.subtask = SubtaskTask(runner, tokenizer, self.config)
         self.actions = ActionsTask(runner, self.config, self.stats, lambda: self.clock(), self._chunk_listeners)
@@ -95,12 +95,14 @@ class Engine:
             self.add_robot(name, p)
 
     # ================================================================== robots (any thread)
-    def add_robot(self, name: str, preparer: FramePreparer) -> EngineInfo:
-        """Serve one more robot from now on (a connecting client, a fleet member). ValueError when the name
-        is taken, the KV pool cannot keep room for one more frame per cycle, or (strict_capacity) it won't fit."""
+    def add_robot(self, name: str, preparer: FramePreparer, captions: bool = True) -> EngineInfo:
+        """Serve one more robot from now on (a connecting client, a fleet member; `captions`: the memory
+        settings apply to its frames). ValueError when the name is taken, the KV pool cannot keep room for
+        one more frame per cycle, or (strict_capacity) it won't fit."""
         with self._robots.lock:
             self._capacity.check_added({**self._robots.chunk_periods(), name: self._robots.chunk_period(preparer)})
             info = self._robots.add(name, preparer)
+            self.captions_task.set_enabled(name, captions)
             self.stats.add_robot(name)
             self._intake.add_robot(name)
             self.scheduler.set_robots(self._robots.names, self._robots.reserve_blocks())
@@ -167,6 +169,9 @@ class Engine:
     def add_frame_listener(self, fn: Callable[[int, object], None]) -> None:    # (frame index, observation)
         self._frame_listeners.add(fn)
 
+    def add_discard_listener(self, fn: Callable[[str, str], None]) -> None:     # (robot, why): no chunk
+        self._discard_listeners.add(fn)
+
     def frame_noise(self, index: int) -> torch.Tensor:
         """The flow-matching noise of frame `index`: a function of (seed, index) only, so that a recording
         replays bit for bit from any frame on, whatever frames were dropped before it."""
@@ -228,15 +233,6 @@ class Engine:
     @property
     def queued_requests(self) -> int:
         return len(self.scheduler.waiting)
-
-    @property
-    def mailbox_dropped(self) -> int:
-        """Observations replaced by a newer one of the same robot before a cycle took them (all robots)."""
-        return sum(self._intake.dropped_counts().values())
-
-    @property
-    def subtask_text(self) -> str:
-        return self.subtask.text
 
     def reset_pool_peak(self) -> None:
         """Start a new measurement of the peak KV blocks in use (stats: pool_peak_blocks)."""
@@ -374,6 +370,7 @@ class Engine:
             self.stats.count_robot(robot, "bad_observations")
             self.stats.note_error(f"observation rejected{_of(robot)}: {e}")
             log.warning("frame %d%s: observation rejected: %s", index, _of(robot), e)
+            self._discard_listeners(robot, f"observation rejected: {e}")
             return None
         self._frame_listeners(index, pending.obs)
         return Frame(robot, index, preparer, prepared, noise, pending.deadline, pending.obs.prompt)
@@ -385,6 +382,7 @@ class Engine:
         self.stats.count_robot(robot, "faults")
         self.stats.note_error(f"frame {index}{_of(robot)}: {message}")
         log.error("frame %d%s discarded: %s", index, _of(robot), message)
+        self._discard_listeners(robot, f"the engine discarded this frame: {message}")
         if self._consecutive_faults >= self.config.max_consecutive_faults and not self.faulted:
             self.faulted = f"{self._consecutive_faults} consecutive faulty frames, last: {message}"
             log.error("engine safe stop: %s", self.faulted)
@@ -395,6 +393,3 @@ class Engine:
 def _of(robot: str) -> str:      # " of robot 'name'" in messages, nothing for the single robot ""
     return f" of robot {robot!r}" if robot else ""
 
-
-__all__ = ["Engine", "EngineConfig", "EngineInfo", "ChunkResult", "Caption", "CycleReport", "POLICIES",
-           "Sampling", "TextRequest"]

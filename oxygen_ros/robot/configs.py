@@ -36,6 +36,27 @@ def find_config(name: str) -> Path:
     raise FileNotFoundError(f"no robot config {name}.yaml in {', '.join(map(str, dirs))}")
 
 
+def demo_checkpoint() -> Path:
+    """The shipped demo weights (model.safetensors, norm_stats.json, config.json)."""
+    from importlib import resources
+
+    return Path(str(resources.files("oxygen_ros.model") / "assets" / "demo"))
+
+
+def demo_weights_params() -> Path:
+    """A parameters file pointing the engine at the shipped demo weights (their path depends on where the
+    package is installed, so config/demo.yaml cannot name it)."""
+    import hashlib
+    import tempfile
+
+    weights = demo_checkpoint()
+    digest = hashlib.sha1(str(weights).encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"oxygen_demo_weights_{digest}.yaml"
+    path.write_text(f"oxygen_engine:\n  ros__parameters:\n    checkpoint: '{weights}'\n"
+                    f"    norm_stats: '{weights / 'norm_stats.json'}'\n")
+    return path
+
+
 def node_params(path: Path, node: str) -> dict:
     """The parameters a node gets from a ROS params file: its section over the `/**` wildcard."""
     data = yaml.safe_load(Path(path).read_text()) or {}

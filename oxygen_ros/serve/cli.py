@@ -86,32 +86,15 @@ def engine_parameters(robot: str | None, params_files: list[str], random: str | 
     """(parameter files, overrides) for the engine node: oxygen_bringup's order (robot config, the demo
     weights for the demo, the given files), then --random's choices, which win over every file (a model
     preset, no weights, identity norm stats, a small KV pool)."""
-    from oxygen_ros.robot.configs import find_config
+    from oxygen_ros.robot.configs import demo_weights_params, find_config
 
     files = ([str(find_config(robot))] if robot else []) + list(params_files)
     if robot == "demo" and not random:
         files.insert(1, str(demo_weights_params()))
-    # Scene captions go to ROS topics a socket client never sees: not computed for its frames.
-    overrides = dict(memory_period_s=0.0, memory_every_frames=0)
+    overrides = {}          # (a client's frames get no captions: ClientSlots adds it with captions=False)
     if random:
         overrides.update(model=random, checkpoint="", tokenizer="", norm_stats="", asset_id="", kv_budget_mb=64.0)
     return files, overrides
-
-
-def demo_weights_params() -> Path:
-    """A parameters file naming the shipped demo weights (their path depends on the install). The same file as
-    oxygen_bringup --demo writes (bringup.demo_weights_params): not imported from there, as the bringup imports
-    this package (--openpi-port)."""
-    import hashlib
-    import tempfile
-    from importlib import resources
-
-    weights = Path(str(resources.files("oxygen_ros.model") / "assets" / "demo"))
-    digest = hashlib.sha1(str(weights).encode()).hexdigest()[:12]
-    path = Path(tempfile.gettempdir()) / f"oxygen_demo_weights_{digest}.yaml"
-    path.write_text(f"oxygen_engine:\n  ros__parameters:\n    checkpoint: '{weights}'\n"
-                    f"    norm_stats: '{weights / 'norm_stats.json'}'\n")
-    return path
 
 
 def build_engine_node(files: list[str], overrides: dict, ros_args: list[str]):

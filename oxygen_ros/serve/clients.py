@@ -8,8 +8,8 @@ The frames of concurrent clients are prefilled in one forward and denoised in on
 observations they were computed from: a client has at most one observation in flight (openpi's protocol is
 request/reply), the engine's frame listener says which frame index it became (and in which cycle, with how
 many other frames), its chunk listener delivers the chunk of that frame index. A frame the engine
-discards (a bad observation, non-finite actions, a failed output transform) fails the client's wait with the
-reason instead of leaving it waiting.
+discards (a bad observation, non-finite actions, a failed output transform: the engine's discard listener)
+fails the client's wait with the reason instead of leaving it waiting.
 """
 from __future__ import annotations
 
@@ -18,11 +18,9 @@ import collections
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Callable
 
 from oxygen_ros.engine.engine import ChunkResult, Engine
-from oxygen_ros.engine.frames import FramePreparer, PreparedFrame
-from oxygen_ros.robot.errors import InputError
+from oxygen_ros.engine.frames import FramePreparer
 from oxygen_ros.robot.sync import Observation
 
 CLIENT_PREFIX = "openpi_"
@@ -46,32 +44,8 @@ class Ticket:
     obs: Observation
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
-    counts_before: tuple[int, int]          # the robot's (bad observations, faults) when it was submitted
     frame_index: int | None = None
     cycle: int | None = None
-
-
-class ClientPreparer(FramePreparer):
-    """The served robot's frame preparation for one client, reporting a rejection to the waiting client with
-    its exact reason (the engine only counts and logs it)."""
-
-    def __init__(self, base: FramePreparer, robot: str, on_error: Callable[[str, str], None]):
-        super().__init__(base.cfg, base.tokenizer, base.io, base.state_in_prompt)
-        self.robot, self._on_error = robot, on_error
-
-    def prepare(self, obs) -> PreparedFrame:
-        try:
-            return super().prepare(obs)
-        except InputError as e:
-            self._on_error(self.robot, f"observation rejected: {e}")
-            raise
-
-    def robot_actions(self, model_actions, frame: PreparedFrame):
-        try:
-            return super().robot_actions(model_actions, frame)
-        except Exception as e:
-            self._on_error(self.robot, f"output transform failed: {type(e).__name__}: {e}")
-            raise
 
 
 class EngineHub:
@@ -86,12 +60,13 @@ class EngineHub:
         self._cycle_frames: collections.OrderedDict[int, int] = collections.OrderedDict()
         engine.add_frame_listener(self._on_frame)
         engine.add_chunk_listener(self._on_chunk)
+        engine.add_discard_listener(self.fail)
 
     # ------------------------------------------------------------------ event loop side
     def submit(self, robot: str, obs: Observation) -> Ticket:
         """Hand a client's observation to the engine; await `ticket.future` for its Computed."""
         loop = asyncio.get_running_loop()
-        ticket = Ticket(robot, obs, loop, loop.create_future(), self._counts(robot))
+        ticket = Ticket(robot, obs, loop, loop.create_future())
         with self._lock:
             old = self._tickets.get(robot)
             self._tickets[robot] = ticket
@@ -100,13 +75,9 @@ class EngineHub:
         self.engine.submit_observation(obs, robot=robot)
         return ticket
 
-    def discarded(self, ticket: Ticket) -> str:
-        """Why the engine dropped the ticket's frame without a chunk (checked while waiting), or ''."""
-        if self.engine.faulted:
-            return f"engine safe stop: {self.engine.faulted}"
-        if ticket.future.done() or self._counts(ticket.robot) == ticket.counts_before:
-            return ""
-        return f"the engine discarded this frame: {self.engine.stats.last_error}"
+    def discarded(self) -> str:
+        """Why no frame is computed at all now (the engine's safe stop), or ''."""
+        return f"engine safe stop: {self.engine.faulted}" if self.engine.faulted else ""
 
     def in_flight(self) -> list[str]:
         """The robots whose observation waits for its chunk."""
@@ -118,12 +89,9 @@ class EngineHub:
             if self._tickets.get(ticket.robot) is ticket:
                 del self._tickets[ticket.robot]
 
-    def _counts(self, robot: str) -> tuple[int, int]:
-        r = self.engine.stats.snapshot()["robots"][robot]
-        return r["bad_observations"], r["faults"]
-
     # ------------------------------------------------------------------ engine (or preparer) thread
     def fail(self, robot: str, message: str) -> None:
+        """The engine discarded this robot's frame (a bad observation, a fault): its ticket fails with why."""
         with self._lock:
             ticket = self._tickets.get(robot)
         if ticket is not None:
@@ -168,9 +136,8 @@ class ClientSlots:
     connects, with the served robot config's policy I/O, and removed when it goes (its pending frame is
     dropped, its requests end)."""
 
-    def __init__(self, engine: Engine, template: FramePreparer, capacity: int,
-                 on_error: Callable[[str, str], None]):
-        self.engine, self.template, self.capacity, self._on_error = engine, template, capacity, on_error
+    def __init__(self, engine: Engine, template: FramePreparer, capacity: int):
+        self.engine, self.template, self.capacity = engine, template, capacity
         self._clients: set[str] = set()
         self._count = itertools.count()
         self._lock = threading.Lock()
@@ -187,7 +154,8 @@ class ClientSlots:
             if len(self._clients) >= self.capacity:
                 return None
             name = f"{CLIENT_PREFIX}{next(self._count)}"
-            self.engine.add_robot(name, ClientPreparer(self.template, name, self._on_error))
+            # Its captions would go to ROS topics a socket client never sees: none for its frames.
+            self.engine.add_robot(name, self.template, captions=False)
             self._clients.add(name)
             return name
 

@@ -92,7 +92,7 @@ def openpi_server(engine: Engine, layout: Layout, options: ServeOptions = ServeO
     """The server for `engine`: each client becomes a robot of it with `template`'s policy I/O (default: the
     engine's first robot's, i.e. the robot config it was built with)."""
     hub = EngineHub(engine)
-    slots = ClientSlots(engine, template or engine.preparer, options.max_clients, hub.fail)
+    slots = ClientSlots(engine, template or engine.preparer, options.max_clients)
     return OpenpiServer(engine, slots, hub, layout, options)
 
 
@@ -291,7 +291,7 @@ class ClientSession:
                     return ticket.future.result()
                 if self._closed in done:
                     raise ClientGone()
-                why = await asyncio.get_running_loop().run_in_executor(None, self.hub.discarded, ticket)
+                why = self.hub.discarded()
                 if why:
                     raise FrameFailed(why)
                 if time.monotonic() - start > self.options.reply_timeout_s:

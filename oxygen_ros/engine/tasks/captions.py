@@ -34,10 +34,13 @@ class CaptionsTask:
         self.config, self.stats, self.submit, self.notify = config, stats, submit, notify
         self.log: collections.deque[Caption] = collections.deque(maxlen=config.memory_log_size)
         self._last: dict[str, tuple[int, float]] = {}       # per robot: (frame index, time) of its last caption
+        self._off: set[str] = set()                          # robots whose frames are never captioned
 
     def after_chunk(self, f: Frame, now: float) -> None:
         """A robot's frame delivered its chunk: ask for a caption of it if one is due. A failure here costs
         the caption only, never the frame."""
+        if f.robot in self._off:
+            return
         try:
             self._maybe_caption(f.robot, f.index, now)
         except Exception as e:  # noqa: BLE001 - a caption is optional; the frame and its chunk are not
@@ -65,5 +68,10 @@ class CaptionsTask:
         self.log.append(caption)
         self.notify(caption)
 
+    def set_enabled(self, robot: str, enabled: bool) -> None:
+        """Captions for this robot's frames or not (a socket client reads no caption topic)."""
+        (self._off.discard if enabled else self._off.add)(robot)
+
     def forget(self, robot: str) -> None:
         self._last.pop(robot, None)
+        self._off.discard(robot)
