@@ -89,7 +89,10 @@ def run_phase(model, a, cfg, phase: str, log, prefill_chunk_tokens: int | None =
     stop.set()
     for t in threads:
         t.join()
-    engine.stop()
+    for _ in range(60):                 # a cycle in progress finishes first (the unbounded prefill: long)
+        if engine.stop(10.0):
+            break
+        log(f"{phase}: waiting for the engine thread to finish its cycle")
     window = [t for t in chunks[first_chunk:] if t <= t1]
     gaps = np.diff([t0] + window + [t1]) if window else np.array([t1 - t0])
     replies = [h.result(0) for h in handles if h.done()]
