@@ -127,3 +127,25 @@ def output_stops(messages: list, quiet_s: float = 1.0, timeout: float = 20.0) ->
     count = len(messages)
     time.sleep(1.5)
     return len(messages) == count
+
+
+@contextmanager
+def engine_node_in_process(tmp_path, engine_params: str, domain: int):
+    """An oxygen_engine lifecycle node (unconfigured) in this process, on its own rclpy context, with
+    `engine_params` (YAML lines under its ros__parameters); stopped and destroyed afterwards."""
+    from oxygen_ros.nodes.engine_node import EngineNode
+
+    params = tmp_path / "engine_params.yaml"
+    params.write_text("oxygen_engine:\n  ros__parameters:\n" + "".join(f"    {line}\n" for line in engine_params.splitlines()))
+    os.environ["ROS_DOMAIN_ID"] = str(domain)
+    context = Context()
+    rclpy.init(args=["t", "--ros-args", "--params-file", str(params)], context=context)
+    node = EngineNode(context=context)
+    try:
+        yield node
+    finally:
+        if node.engine is not None:
+            node.engine.stop()
+        node.destroy_node()
+        rclpy.shutdown(context=context)
+

@@ -241,24 +241,15 @@ def test_achieved_chunk_rate_and_deadline_misses_are_counted_per_robot(small_mod
 
 
 @pytest.mark.parametrize("strict", [False, True])
-def test_the_engine_node_warns_or_refuses_when_the_robots_would_not_fit(tmp_path, monkeypatch, strict):
+def test_the_engine_node_warns_or_refuses_when_the_robots_would_not_fit(tmp_path, strict):
     """At configure the engine node predicts the capacity (here declared: 1 s per frame for a chunk of
     10 rows at 70 Hz, 143 ms): a WARN in /diagnostics with the rates, or with strict_capacity a refusal."""
-    import rclpy
     from diagnostic_msgs.msg import DiagnosticStatus
-    from rclpy.context import Context
 
-    from oxygen_ros.nodes.engine_node import EngineNode
-    from ros_harness import private_domain
+    from ros_harness import engine_node_in_process, private_domain
 
-    params = tmp_path / "p.yaml"
-    params.write_text("oxygen_engine:\n  ros__parameters:\n    model: tiny\n    kv_budget_mb: 8.0\n"
-                      f"    frame_cost_ms: 1000.0\n    strict_capacity: {str(strict).lower()}\n")
-    monkeypatch.setenv("ROS_DOMAIN_ID", str(private_domain(43)))
-    context = Context()
-    rclpy.init(args=["t", "--ros-args", "--params-file", str(params)], context=context)
-    node = EngineNode(context=context)
-    try:
+    params = f"model: tiny\nkv_budget_mb: 8.0\nframe_cost_ms: 1000.0\nstrict_capacity: {str(strict).lower()}"
+    with engine_node_in_process(tmp_path, params, private_domain(43)) as node:
         node.trigger_configure()
         if strict:
             assert node.engine is None and "strict_capacity: capacity: 1 robots" in node.failure
@@ -270,8 +261,3 @@ def test_the_engine_node_warns_or_refuses_when_the_robots_would_not_fit(tmp_path
         assert engine.level == DiagnosticStatus.WARN and engine.message.startswith("predicted short of chunk periods")
         assert node.capacity.short == [""] and float(values["predicted_chunks_per_s"]) == pytest.approx(1.0)
         assert float(values["needed_chunks_per_s"]) == pytest.approx(7.0)
-    finally:
-        if node.engine is not None:
-            node.engine.stop()
-        node.destroy_node()
-        rclpy.shutdown(context=context)

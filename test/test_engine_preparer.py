@@ -178,27 +178,12 @@ def test_the_preparer_converts_once_per_cycle_and_just_before_the_cycle_ends():
 
 
 @pytest.mark.parametrize("value, expected", [("on", True), ("off", False), ("auto", False)])   # auto: CPU here
-def test_the_engine_node_parameter_sets_prepare_ahead(tmp_path, monkeypatch, value, expected):
-    import rclpy
-    from rclpy.context import Context
+def test_the_engine_node_parameter_sets_prepare_ahead(tmp_path, value, expected):
+    from ros_harness import engine_node_in_process, private_domain
 
-    from oxygen_ros.nodes.engine_node import EngineNode
-    from ros_harness import private_domain
-
-    params = tmp_path / "p.yaml"
-    params.write_text(f"oxygen_engine:\n  ros__parameters:\n    model: tiny\n    kv_budget_mb: 8.0\n"
-                      f"    prepare_ahead: '{value}'\n")
-    monkeypatch.setenv("ROS_DOMAIN_ID", str(private_domain(41)))
-    context = Context()
-    rclpy.init(args=["t", "--ros-args", "--params-file", str(params)], context=context)
-    node = EngineNode(context=context)
-    try:
+    with engine_node_in_process(tmp_path, f"model: tiny\nkv_budget_mb: 8.0\nprepare_ahead: '{value}'",
+                                private_domain(41)) as node:
         node.trigger_configure()
         assert node.engine is not None, node.failure
         assert node.engine.prepare_ahead is expected
         assert dict((v.key, v.value) for s in node._engine_status() for v in s.values)["prepare_ahead"] == str(expected)
-    finally:
-        if node.engine is not None:
-            node.engine.stop()
-        node.destroy_node()
-        rclpy.shutdown(context=context)
