@@ -233,7 +233,7 @@ class RtcSettings:
     """The engine's RTC settings for the evaluation; defaults: the engine's (docs/rtc.md)."""
     schedule: str = _ENGINE_DEFAULTS.rtc_schedule
     max_guidance: float = _ENGINE_DEFAULTS.rtc_max_guidance
-    execution_horizon: int = _ENGINE_DEFAULTS.rtc_execution_horizon   # where the weights end; 0: the horizon
+    execution_horizon: int = _ENGINE_DEFAULTS.rtc_execution_horizon   # where the weights end; 0: H - s
     correction: str = _ENGINE_DEFAULTS.rtc_correction                 # "error": LeRobot 0.6.1's; "vjp": the paper's
     margin_rows: int = _ENGINE_DEFAULTS.rtc_margin_rows              # rows pinned beyond the delay
 
@@ -354,6 +354,7 @@ def execution_summary(episodes: list[DelayedEpisode]) -> dict:
         "success_rate": float(np.mean([ep.success for ep in episodes])),
         "boundary_jerk": float(j[b].mean()) if b.any() else None,
         "within_jerk": float(j[w].mean()) if w.any() else None,
+        "mean_jerk": float(j[b | w].mean()) if (b | w).any() else None,     # every window of chunk commands
         "max_command_step": float(max(steps)) if steps else None,
         "mean_steps_to_touch": float(np.mean(ok)) if ok else None,
         "switches": int(sum(len(ep.switches) for ep in episodes)),
@@ -406,7 +407,8 @@ def evaluate_execution(episodes: int, seed: int = 1000, steps: int = 210, replan
         "episodes": episodes, "seed": seed, "steps": steps, "replan": replan, "control_hz": 70,
         "blend_steps": blend_steps,
         "rtc": {"schedule": settings.schedule, "max_guidance": settings.max_guidance,
-                "execution_horizon": settings.execution_horizon or cfg.action_horizon,
+                "execution_horizon": settings.execution_horizon,
+                "weights_end_row": min(settings.execution_horizon or cfg.action_horizon, cfg.action_horizon - replan),
                 "correction": settings.correction, "margin_rows": settings.margin_rows},
         "execution": {e: {str(d): execution_summary(results[(e, d)]) for d in delays} for e in executions},
         "jerk_unit": "rad per tick^3 (mean over joints of |third difference| of commanded positions)",
@@ -515,9 +517,9 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--blend-steps", type=int, default=5, help="ticks of linear blending (execution blend)")
     g.add_argument("--rtc-schedule", default=RtcSettings.schedule, choices=rtc.SCHEDULES)
     g.add_argument("--rtc-beta", type=float, default=RtcSettings.max_guidance, help="guidance weight clip")
-    g.add_argument("--rtc-horizon", type=int, default=0,
-                   help="row where the RTC weights end (LeRobot's execution_horizon; 0: the chunk's horizon, "
-                        "cut to the previous chunk's remaining rows)")
+    g.add_argument("--rtc-horizon", type=int, default=RtcSettings.execution_horizon,
+                   help="row where the RTC weights end (LeRobot's execution_horizon; 0: the chunk's horizon, the "
+                        "paper's H - s); cut to the previous chunk's remaining rows")
     g.add_argument("--rtc-correction", default=RtcSettings.correction, choices=rtc.CORRECTIONS,
                    help="error: LeRobot 0.6.1's (the model's Jacobian dropped); vjp: the paper's")
     g.add_argument("--rtc-margin", type=int, default=RtcSettings.margin_rows,

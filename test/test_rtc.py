@@ -313,6 +313,7 @@ def test_jerk_windows_boundary_and_within():
     summary = execution_summary([ep])
     assert summary["boundary_jerk"] == pytest.approx((0.3 + 0.6 + 0.3) / 3)
     assert summary["within_jerk"] == pytest.approx(0) and summary["max_command_step"] == pytest.approx(0.4)
+    assert summary["mean_jerk"] == pytest.approx((0.3 + 0.6 + 0.3) / 7)
     assert summary["rtc_guided_chunks"] == 1
 
 
