@@ -47,7 +47,7 @@ def main() -> None:
             rows.append({"replan": replan, "variant": label, "execution": execution,
                          "rtc": asdict(settings) if execution == "rtc" else None, **s,
                          "boundary_over_within": s["boundary_jerk"] / s["within_jerk"]})
-            print(f"replan {replan:2d}  {label:48s} success {s['success_rate']:.0%}  boundary "
+            print(f"replan {replan:2d}  {label:58s} success {s['success_rate']:.0%}  boundary "
                   f"{s['boundary_jerk']:.4f}  within {s['within_jerk']:.4f}  ratio {rows[-1]['boundary_over_within']:.2f}"
                   f"  all {s['mean_jerk']:.4f}", flush=True)
     result = {"episodes": a.episodes, "seed": a.seed, "delay_ticks": a.delay, "steps": 210, "blend_steps": 5,

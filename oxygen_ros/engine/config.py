@@ -71,8 +71,8 @@ class EngineConfig:
     subtask_max_tokens: int = setting(12, "Longest subtask text in tokens.", minimum=1)
     # Real-time chunking (docs/rtc.md): the chunk of a robot whose publisher plays execution 'rtc'.
     rtc: bool = setting(False, "Real-time chunking: guide each robot's new chunk to continue the chunk its "
-                               "publisher plays while it is computed (action publisher execution: rtc). Off until "
-                               "measured better (docs/rtc.md).")
+                               "publisher plays while it is computed (action publisher execution: rtc). Off by "
+                               "default: it changes how every robot of the engine moves (docs/rtc.md).")
     # The rtc_* defaults are the measured best on the demo model (docs/rtc.md, "What was tried"): LeRobot
     # 0.6.1's correction, schedule, beta and execution horizon, and the first row the new chunk plays pinned
     # too (rtc_margin_rows).
