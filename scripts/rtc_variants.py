@@ -2,7 +2,7 @@
 naive, blend and RTC with the paper's settings, LeRobot 0.6.1's and the engine's (the same episodes, chunk
 noise and re-plan period for every execution of a period).
 
-    python scripts/rtc_variants.py --episodes 50 --seed 3000 --json docs/rtc_variants.json   # ~6 min, 2 cores
+    python scripts/rtc_variants.py --episodes 50 --seed 3000 --json docs/rtc_variants.json   # ~4 min, 2 cores
 
 Each row: `python -m oxygen_ros.eval --delay-ticks D --replan R --execution E` with those RTC settings.
 """
@@ -48,8 +48,8 @@ def main() -> None:
                          "rtc": asdict(settings) if execution == "rtc" else None, **s,
                          "boundary_over_within": s["boundary_jerk"] / s["within_jerk"]})
             print(f"replan {replan:2d}  {label:58s} success {s['success_rate']:.0%}  boundary "
-                  f"{s['boundary_jerk']:.4f}  within {s['within_jerk']:.4f}  ratio {rows[-1]['boundary_over_within']:.2f}"
-                  f"  all {s['mean_jerk']:.4f}", flush=True)
+                  f"{s['boundary_jerk']:.4f}  within {s['within_jerk']:.4f}  "
+                  f"ratio {rows[-1]['boundary_over_within']:.2f}  all {s['mean_jerk']:.4f}", flush=True)
     result = {"episodes": a.episodes, "seed": a.seed, "delay_ticks": a.delay, "steps": 210, "blend_steps": 5,
               "rows": rows, "wall_s": round(time.monotonic() - start, 1),
               "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread"}
