@@ -220,12 +220,20 @@ def evaluate(episodes: int, seed: int = 0, steps: int = 210, replan: int = 10, p
 EXECUTION_DELAYS = (0, 3, 6, 10)
 
 
+_ENGINE_DEFAULTS = EngineConfig()
+
+
 @dataclass(frozen=True)
 class RtcSettings:
-    schedule: str = rtc.DEFAULT_SCHEDULE
-    max_guidance: float = rtc.DEFAULT_MAX_GUIDANCE
-    execution_horizon: int = 0          # where the weights end (LeRobot's execution_horizon); 0: the horizon
-    correction: str = "vjp"             # the paper's; "error": LeRobot 0.6.1's (model/rtc.py)
+    """The engine's RTC settings for the evaluation; defaults: the engine's (docs/rtc.md)."""
+    schedule: str = _ENGINE_DEFAULTS.rtc_schedule
+    max_guidance: float = _ENGINE_DEFAULTS.rtc_max_guidance
+    execution_horizon: int = _ENGINE_DEFAULTS.rtc_execution_horizon   # where the weights end; 0: H - s
+    correction: str = _ENGINE_DEFAULTS.rtc_correction                 # "error": LeRobot 0.6.1's; "vjp": the paper's
+    margin_rows: int = _ENGINE_DEFAULTS.rtc_margin_rows              # rows pinned beyond the delay
+
+
+PAPER_RTC = RtcSettings("exp", rtc.DEFAULT_MAX_GUIDANCE, 0, "vjp", 0)      # the paper's weights and correction
 
 
 class DelayedEngine:
@@ -236,7 +244,8 @@ class DelayedEngine:
     def __init__(self, model, checkpoint: Path, execution: str, delay: int, settings: RtcSettings):
         config = EngineConfig(rtc=execution == "rtc", rtc_delay_rows=delay, rtc_schedule=settings.schedule,
                               rtc_max_guidance=settings.max_guidance,
-                              rtc_execution_horizon=settings.execution_horizon, rtc_correction=settings.correction)
+                              rtc_execution_horizon=settings.execution_horizon, rtc_correction=settings.correction,
+                              rtc_margin_rows=settings.margin_rows)
         self.engine = build_engine(built_model=model, norm_stats=str(checkpoint / "norm_stats.json"),
                                    robot_io=RobotIOConfig(robot_action_dim=model.cfg.action_dim,
                                                           delta_action_mask=(True,) * model.cfg.action_dim),
@@ -340,6 +349,7 @@ def execution_summary(episodes: list[DelayedEpisode]) -> dict:
         "success_rate": float(np.mean([ep.success for ep in episodes])),
         "boundary_jerk": float(j[b].mean()) if b.any() else None,
         "within_jerk": float(j[w].mean()) if w.any() else None,
+        "mean_jerk": float(j[b | w].mean()) if (b | w).any() else None,     # every window of chunk commands
         "max_command_step": float(max(steps)) if steps else None,
         "mean_steps_to_touch": float(np.mean(ok)) if ok else None,
         "switches": int(sum(len(ep.switches) for ep in episodes)),
@@ -392,8 +402,9 @@ def evaluate_execution(episodes: int, seed: int = 1000, steps: int = 210, replan
         "episodes": episodes, "seed": seed, "steps": steps, "replan": replan, "control_hz": 70,
         "blend_steps": blend_steps,
         "rtc": {"schedule": settings.schedule, "max_guidance": settings.max_guidance,
-                "execution_horizon": settings.execution_horizon or cfg.action_horizon,
-                "correction": settings.correction},
+                "execution_horizon": settings.execution_horizon,
+                "weights_end_row": min(settings.execution_horizon or cfg.action_horizon, cfg.action_horizon - replan),
+                "correction": settings.correction, "margin_rows": settings.margin_rows},
         "execution": {e: {str(d): execution_summary(results[(e, d)]) for d in delays} for e in executions},
         "jerk_unit": "rad per tick^3 (mean over joints of |third difference| of commanded positions)",
         "wall_s": round(time.monotonic() - start, 1),
@@ -499,13 +510,15 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
                    f"{','.join(map(str, EXECUTION_DELAYS))}): a chunk observed at tick t is first used at t + d")
     g.add_argument("--execution", default=None, help=f"comma-separated, of {', '.join(EXECUTIONS)} (default all)")
     g.add_argument("--blend-steps", type=int, default=5, help="ticks of linear blending (execution blend)")
-    g.add_argument("--rtc-schedule", default=rtc.DEFAULT_SCHEDULE, choices=rtc.SCHEDULES)
-    g.add_argument("--rtc-beta", type=float, default=rtc.DEFAULT_MAX_GUIDANCE, help="guidance weight clip")
-    g.add_argument("--rtc-horizon", type=int, default=0,
-                   help="row where the RTC weights end (LeRobot's execution_horizon; 0: the chunk's horizon, "
-                        "cut to the previous chunk's remaining rows)")
-    g.add_argument("--rtc-correction", default="vjp", choices=rtc.CORRECTIONS,
-                   help="vjp: the paper's; error: LeRobot 0.6.1's (the model's Jacobian dropped)")
+    g.add_argument("--rtc-schedule", default=RtcSettings.schedule, choices=rtc.SCHEDULES)
+    g.add_argument("--rtc-beta", type=float, default=RtcSettings.max_guidance, help="guidance weight clip")
+    g.add_argument("--rtc-horizon", type=int, default=RtcSettings.execution_horizon,
+                   help="row where the RTC weights end (LeRobot's execution_horizon; 0: the chunk's horizon, the "
+                        "paper's H - s); cut to the previous chunk's remaining rows")
+    g.add_argument("--rtc-correction", default=RtcSettings.correction, choices=rtc.CORRECTIONS,
+                   help="error: LeRobot 0.6.1's (the model's Jacobian dropped); vjp: the paper's")
+    g.add_argument("--rtc-margin", type=int, default=RtcSettings.margin_rows,
+                   help="rows pinned beyond the delay (the first rows the new chunk plays); 0: the paper's weights")
 
 
 def execution_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
@@ -522,15 +535,17 @@ def execution_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
                         "nodes the delay and the re-planning are the engine's own")
     if a.blend_steps < 1 and "blend" in executions:
         problems.append(f"--blend-steps {a.blend_steps} must be >= 1 for execution blend")
-    if not a.rtc_beta > 0 or a.rtc_horizon < 0:
-        problems.append(f"--rtc-beta {a.rtc_beta} must be > 0 and --rtc-horizon {a.rtc_horizon} >= 0")
+    if not a.rtc_beta > 0 or a.rtc_horizon < 0 or a.rtc_margin < 0:
+        problems.append(f"--rtc-beta {a.rtc_beta} must be > 0, --rtc-horizon {a.rtc_horizon} and --rtc-margin "
+                        f"{a.rtc_margin} >= 0")
     if problems:
         p.error("; ".join(problems))
     if a.ros:
         out = evaluate_ros(a.episodes, a.seed, a.steps, a.checkpoint, execution=executions[0])
     else:
         out = evaluate_execution(a.episodes, a.seed, a.steps, a.replan, delays, executions, a.blend_steps,
-                                 RtcSettings(a.rtc_schedule, a.rtc_beta, a.rtc_horizon, a.rtc_correction),
+                                 RtcSettings(a.rtc_schedule, a.rtc_beta, a.rtc_horizon, a.rtc_correction,
+                                             a.rtc_margin),
                                  a.checkpoint)
     text = json.dumps(out, indent=1)
     if a.json:

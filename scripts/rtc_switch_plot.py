@@ -1,5 +1,6 @@
 """docs/rtc_switch.png: one joint's commanded trace across a chunk switch at a delay of d ticks, naive vs
-blend vs RTC (the paper's correction, and LeRobot 0.6.1's), in the first episode of the delay evaluation.
+blend vs RTC (the paper's settings, LeRobot 0.6.1's, and the engine's: LeRobot's with one margin row), in
+the first episode of the delay evaluation.
 
     python scripts/rtc_switch_plot.py --out docs/rtc_switch.png          # ~10 s on 2 cores
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 
-from oxygen_ros.eval import RtcSettings, evaluate_execution
+from oxygen_ros.eval import PAPER_RTC, RtcSettings, evaluate_execution
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -23,10 +24,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 VARIANTS = {   # label: (execution, RTC settings)
     "naive": ("naive", RtcSettings()),
     "blend (5 ticks)": ("blend", RtcSettings()),
-    "rtc, paper (VJP, exp, beta 5)": ("rtc", RtcSettings()),
-    "rtc, LeRobot 0.6.1 correction (linear, beta 10)": ("rtc", RtcSettings("linear", 10.0, 0, "error")),
+    "rtc, paper (VJP, exp, beta 5)": ("rtc", PAPER_RTC),
+    "rtc, LeRobot 0.6.1 (error, linear, beta 10)": ("rtc", RtcSettings(margin_rows=0)),
+    "rtc, engine default (LeRobot's + 1 margin row)": ("rtc", RtcSettings()),
 }
-COLOURS = ("tab:red", "tab:orange", "tab:blue", "tab:green")
+COLOURS = ("tab:red", "tab:orange", "tab:blue", "tab:green", "tab:purple")
 
 
 def main() -> None:

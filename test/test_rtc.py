@@ -313,6 +313,7 @@ def test_jerk_windows_boundary_and_within():
     summary = execution_summary([ep])
     assert summary["boundary_jerk"] == pytest.approx((0.3 + 0.6 + 0.3) / 3)
     assert summary["within_jerk"] == pytest.approx(0) and summary["max_command_step"] == pytest.approx(0.4)
+    assert summary["mean_jerk"] == pytest.approx((0.3 + 0.6 + 0.3) / 7)
     assert summary["rtc_guided_chunks"] == 1
 
 
@@ -332,6 +333,30 @@ def test_rtc_at_no_delay_is_naive_and_guides_later_chunks():
     assert np.array_equal(naive.commands[:first_switch], guided.commands[:first_switch])
     assert np.abs(naive.commands[first_switch:] - guided.commands[first_switch:]).max() > 1e-3
     assert naive.rtc_delays == [None] * 4 and guided.rtc_delays == [None, 6, 6, 6]
+
+
+def test_the_configured_rtc_continues_the_playing_chunk_in_the_demo():
+    """In the demo at d = 6, re-planning every 10 ticks (the documented evaluation, docs/rtc.md): with the
+    engine's RTC settings the take-over is as smooth as the chunk itself (boundary jerk <= 1.5 x within,
+    <= a quarter of naive's, the largest command step under half of naive's); without the margin row
+    (LeRobot 0.6.1's weights) the take-over keeps a step (a higher boundary/within); with the paper's
+    weights and correction it is hardly smoothed (the VJP vanishes on this confident model). One episode,
+    60 ticks, 5 switches."""
+    from oxygen_ros.eval import PAPER_RTC, RtcSettings, evaluate_execution
+
+    def at_6(execution, settings=RtcSettings()):
+        out = evaluate_execution(1, seed=7000, steps=60, replan=10, delays=(6,), executions=(execution,),
+                                 settings=settings, log=lambda *_: None)
+        s = out["execution"][execution]["6"]
+        return s, s["boundary_jerk"] / s["within_jerk"]
+
+    (naive, _), (configured, ratio) = at_6("naive"), at_6("rtc")
+    (_, ratio_no_margin), (paper, ratio_paper) = at_6("rtc", RtcSettings(margin_rows=0)), at_6("rtc", PAPER_RTC)
+    assert configured["rtc_guided_chunks"] == paper["rtc_guided_chunks"] > 0
+    assert ratio <= 1.5 and configured["boundary_jerk"] <= 0.25 * naive["boundary_jerk"]
+    assert configured["max_command_step"] < 0.5 * naive["max_command_step"]
+    assert ratio_no_margin > ratio
+    assert ratio_paper > 1.5 and paper["boundary_jerk"] > 0.5 * naive["boundary_jerk"]
 
 
 # ------------------------------------------------------------------------------------ the engine's actions task
@@ -385,6 +410,22 @@ def test_the_guide_is_the_playing_chunk_in_the_new_frames_model_space(small_mode
     target = seen[1][0].target.numpy()[:H - 3]
     back = engine.preparer.robot_actions(np.pad(target, ((0, 3), (0, 0))), engine.preparer.prepare(new))[:H - 3]
     np.testing.assert_allclose(back, delivered.plan.actions[3:], atol=1e-5)
+
+
+@pytest.mark.parametrize("margin", [0, 1, 2])
+def test_the_guide_pins_the_delay_and_the_margin_rows(engine_factory, margin):
+    """Weight 1 on the d rows that play before the take-over and on rtc_margin_rows more (the first rows the
+    new chunk plays), then the schedule's decay to the playing chunk's last row: LeRobot's weights with
+    start d + margin (margin 0: the paper's). The chunk's reported delay stays d."""
+    engine = engine_factory(rtc=True, rtc_delay_rows=1, rtc_margin_rows=margin, rtc_schedule="linear")
+    real, seen = engine.runner.actions, []
+    engine.runner.actions = lambda *args, **kwargs: (seen.append(kwargs.get("guides")), real(*args, **kwargs))[1]
+    engine.run_cycle(_obs(0, 10.0), _noise(0))
+    engine.run_cycle(_obs(1, 10.0 + DT), _noise(1))      # a row later: H - 1 rows of it left
+    assert engine.latest_chunk().rtc_delay_rows == 1
+    weights = seen[1][0].weights
+    assert torch.equal(weights, rtc.prefix_weights("linear", 1 + margin, H - 1, H))
+    assert (weights[:1 + margin] == 1).all() and 0 < weights[1 + margin] < 1 and weights[H - 1] == 0
 
 
 def test_every_robot_is_guided_by_its_own_chunk(small_model):

@@ -71,20 +71,27 @@ class EngineConfig:
     subtask_max_tokens: int = setting(12, "Longest subtask text in tokens.", minimum=1)
     # Real-time chunking (docs/rtc.md): the chunk of a robot whose publisher plays execution 'rtc'.
     rtc: bool = setting(False, "Real-time chunking: guide each robot's new chunk to continue the chunk its "
-                               "publisher plays while it is computed (action publisher execution: rtc). Off until "
-                               "measured better (docs/rtc.md).")
-    rtc_schedule: str = setting(rtc_fns.DEFAULT_SCHEDULE, "RTC weights of the playing chunk's rows: 1 for the rows "
-                                "that play while the chunk computes, then decaying (exp, linear) to 0 at "
-                                "rtc_execution_horizon; ones: 1 up to it; zeros: those rows only.",
+                               "publisher plays while it is computed (action publisher execution: rtc). Off by "
+                               "default: it changes how every robot of the engine moves (docs/rtc.md).")
+    # The rtc_* defaults are the measured best on the demo model (docs/rtc.md, "What was tried"): LeRobot
+    # 0.6.1's correction, schedule, beta and execution horizon, and the first row the new chunk plays pinned
+    # too (rtc_margin_rows).
+    rtc_schedule: str = setting("linear", "RTC weights of the playing chunk's rows: 1 for the rows that play "
+                                "while the chunk computes (and rtc_margin_rows more), then decaying (linear, exp) "
+                                "to 0 at rtc_execution_horizon; ones: 1 up to it; zeros: the pinned rows only.",
                                 choices=rtc_fns.SCHEDULES)
-    rtc_max_guidance: float = setting(rtc_fns.DEFAULT_MAX_GUIDANCE, "RTC guidance weight clip (beta; the "
-                                                                   "paper's 5).", minimum=0.1, maximum=100.0)
-    rtc_execution_horizon: int = setting(0, "Row where the RTC weights end (the paper's H - s, LeRobot's "
-                                            "execution_horizon; 0: the chunk's horizon). Cut to the playing "
-                                            "chunk's remaining rows.", minimum=0)
-    rtc_correction: str = setting("vjp", "RTC correction: vjp (the paper's: a backward pass through the action "
-                                         "expert per step) or error (LeRobot 0.6.1's: no backward pass).",
+    rtc_max_guidance: float = setting(10.0, "RTC guidance weight clip (beta; LeRobot's 10, the paper's 5).",
+                                      minimum=0.1, maximum=100.0)
+    rtc_execution_horizon: int = setting(10, "Row where the RTC weights end (LeRobot's execution_horizon, its "
+                                             "default 10; 0: the chunk's horizon, the paper's H - s). Cut to the "
+                                             "playing chunk's remaining rows.", minimum=0)
+    rtc_correction: str = setting("error", "RTC correction: error (LeRobot 0.6.1's: no backward pass) or vjp "
+                                           "(the paper's: a backward pass through the action expert per step).",
                                   choices=rtc_fns.CORRECTIONS)
+    rtc_margin_rows: int = setting(1, "RTC rows pinned (weight 1) beyond the delay: the first rows the new chunk "
+                                      "plays also continue the playing chunk, so that its take-over is "
+                                      "continuous (0: the paper's weights). Not applied when the delay is 0.",
+                                   minimum=0)
     rtc_delay_rows: int | None = setting(None, "RTC delay in rows for every robot (None: predicted per robot "
                                                "from its measured latency; tasks/actions.py).", minimum=0,
                                          ros=False)

@@ -27,7 +27,8 @@ the predicted actions hardly depend on x_t (dx0/dx_t ~ 0, the small demo model),
 paper's guidance cannot move the chunk, while the error term still pulls x_t itself (docs/rtc.md has the
 measurements). test/test_rtc.py checks both against reference arrays made with LeRobot
 (scripts/rtc_reference.py). The default beta is the paper's (5; LeRobot's config defaults to 10), the
-default schedule the paper's (exp; LeRobot's config defaults to linear).
+default schedule the paper's (exp; LeRobot's config defaults to linear). The engine's defaults differ
+(EngineConfig.rtc_*: LeRobot's, with one more pinned row; measured on the demo, docs/rtc.md).
 """
 from __future__ import annotations
 

@@ -15,6 +15,10 @@ guided (model/rtc.py) toward that chunk's rows for the same times:
   engine (known for this frame) and latency = the longest cycle-start-to-chunk time of the robot's last
   LATENCY_WINDOW chunks (measured). Not counted: the observation's age on arrival (camera, transport:
   another clock) and the publisher's wait for its next tick (< 1 period);
+- pinned rows (weight 1): the d rows that play before the take-over and `rtc_margin_rows` more, the first
+  rows the new chunk plays: the guidance does not make a guided row equal to its target (92% of the way
+  with LeRobot's correction at 10 steps; docs/rtc.md), so pinning only the d rows that never play from the
+  new chunk leaves a step at the take-over;
 - no guidance (plain denoising, bit for bit) without a playing chunk, when it has no row left for the new
   chunk, or when d is 0 (nothing plays while the chunk computes).
 """
@@ -117,7 +121,8 @@ class ActionsTask:
             if len(state) <= delta.max():
                 return None, None               # its robot_actions refuses this state: the frame's fault
             leftover[:, delta] += (played.model_state[delta] - state[delta]) / slope[delta]
-        guide = rtc.row_guide(torch.as_tensor(leftover), delay, self.config.rtc_execution_horizon or horizon,
+        pinned = delay + self.config.rtc_margin_rows
+        guide = rtc.row_guide(torch.as_tensor(leftover), pinned, self.config.rtc_execution_horizon or horizon,
                               horizon, dim, self.config.rtc_schedule)
         return (guide, delay) if guide.active else (None, None)
 
