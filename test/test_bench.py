@@ -26,7 +26,8 @@ def _number(x, kind):
 def bench_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     rc = main(["--preset", "tiny", "--frames", "4", "--reply-tokens", "6", "--tokens-per-frame", "2",
-               "--repeat", "2", "--warmup-frames", "1", "--check-frames", "1", "--json", str(out), "--quiet"])
+               "--repeat", "2", "--warmup-frames", "1", "--check-frames", "1", "--rtc-repeats", "1",
+               "--json", str(out), "--quiet"])
     assert rc == 0
     return json.loads(out.read_text())
 
@@ -61,6 +62,17 @@ def test_equivalence_and_pool(bench_json):
     assert eq["replies_match"] is True
     assert eq["standalone"]["replies_checked"] >= 1 and eq["standalone"]["replies_match"] is True
     assert bench_json["pool_empty_at_end"] is True
+
+
+def test_rtc_cost(bench_json):
+    # The action step with and without RTC (issue #22): measure() itself refuses a figure whose cycles were
+    # not guided as named; here the ratios are what the times say.
+    c = bench_json["rtc_cost"]
+    for key in ("plain_ms", "rtc_vjp_ms", "rtc_error_ms"):
+        assert _number(c[key], float) and c[key] > 0, key
+    assert c["ratio_vjp"] == pytest.approx(c["rtc_vjp_ms"] / c["plain_ms"], abs=0.006)
+    assert c["ratio_error"] == pytest.approx(c["rtc_error_ms"] / c["plain_ms"], abs=0.006)
+    assert (c["repeats"], c["steps"], c["plain_path"]) == (1, 10, "eager")
 
 
 def test_meta(bench_json):

@@ -66,6 +66,7 @@ def test_rehearsal_stages_runs_and_reports(tmp_path):
     bench = json.loads((out / "bench_tiny_eager.json").read_text())
     assert bench["meta"]["weights"].endswith("weights_tiny") and bench["meta"]["cuda_graphs"] is False
     assert bench["meta"]["preset"] == "tiny" and bench["pool_empty_at_end"]
+    assert bench["rtc_cost"]["plain_path"] == "eager" and bench["rtc_cost"]["rtc_vjp_ms"] > 0   # issue #22's cost
     env = summary["environment"]
     assert env["torch"] and env["triton"] and env["requested_device"] == "cpu" and env["yaml"] is None
     assert "===== bench_eager: exit 0" in (out / "steps.log").read_text()

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     adv.add_argument("--flood-queue", type=int, default=64, help="waiting requests the flood keeps queued")
     adv.add_argument("--compare-unbounded", action="store_true",
                      help="also the flood with question prefill unbounded by the budget (the old behaviour)")
+    p.add_argument("--rtc-repeats", type=int, default=5,
+                   help="timed cycles of the RTC cost (bench/rtc_cost.py: the action step with and without "
+                        "real-time chunking; JSON: rtc_cost); 0: not measured")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write a PNG plot (matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -114,8 +117,8 @@ def _check_args(p: argparse.ArgumentParser, a) -> list[str]:
         p.error("--adversarial runs on its own: not with --robots or --sweep")
     if a.adversarial and not (a.camera_hz > 0 and a.seconds > 0 and a.warmup >= 0 and a.flood_queue >= 1):
         p.error("--adversarial needs --camera-hz > 0, --seconds > 0, --warmup >= 0 and --flood-queue >= 1")
-    if a.warmup_frames < 0 or a.check_frames < 0:
-        p.error("--warmup-frames and --check-frames must be >= 0")
+    if a.warmup_frames < 0 or a.check_frames < 0 or a.rtc_repeats < 0:
+        p.error("--warmup-frames, --check-frames and --rtc-repeats must be >= 0")
     try:
         parse_arrival(a.arrival)
     except ValueError as e:
@@ -381,10 +384,16 @@ def main(argv: list[str] | None = None) -> int:
         result["sweep"] = {"knob": knob, "repetitions": a.sweep_repeat, "points": points,
                            "note": "the point equal to the main workload reuses the main run"}
 
+    if a.rtc_repeats:
+        from . import rtc_cost
+
+        result["rtc_cost"] = rtc_cost.measure(model, cfg, repeats=a.rtc_repeats, kv_budget_mb=a.kv_budget_mb,
+                                              denoise_steps=a.denoise_steps,
+                                              cuda_graphs=False if a.no_cuda_graphs else None)
     result["meta"] = _meta(a, cfg, model, first.info, started, load_start, argv)
     result["meta"].update(workload=wl.params(), settings=names)
     result = {k: result[k] for k in ("settings", "equivalence", "pool_empty_at_end", "meta", "limit",
-                                     "steady_from_frame", "sweep") if k in result}
+                                     "steady_from_frame", "sweep", "rtc_cost") if k in result}
     print(report.table(result), flush=True)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -102,6 +102,11 @@ def table(result: dict) -> str:
         + (f"; standalone inference on frames {sa['frames']}: action diff {sa['max_action_diff']:.3g}, "
            f"replies match {sa['replies_match']} ({sa['replies_checked']} replies)" if sa else ""))
     add(f"KV pool empty at the end (every engine): {result['pool_empty_at_end']}")
+    if result.get("rtc_cost"):
+        c = result["rtc_cost"]
+        add(f"RTC cost (action step, median of {c['repeats']} cycles, d = {c['delay_rows']}): plain {c['plain_ms']:.1f} ms "
+            f"({c['plain_path']}); rtc error correction {c['rtc_error_ms']:.1f} ms (x{c['ratio_error']:.2f}), "
+            f"vjp {c['rtc_vjp_ms']:.1f} ms (x{c['ratio_vjp']:.2f}) ({c['rtc_path']})")
     if result.get("sweep"):
         sw = result["sweep"]
         add("")
