@@ -39,14 +39,19 @@ def run_until_prefilled(engine, obs, handle, limit=200):
     raise AssertionError("question never prefilled")
 
 
+def engine_with_question(engine_factory, obs, prefill_chunk_tokens: int, tokens_per_frame: int):
+    """An engine past its first frame with one long question submitted: (engine, the question's handle)."""
+    engine = engine_factory(policy="oxygen", decode_budget="fixed", tokens_per_frame=tokens_per_frame,
+                            kv_budget_mb=16.0, prefill_chunk_tokens=prefill_chunk_tokens)
+    engine.run_cycle(obs(0))
+    return engine, engine.submit(TextRequest(LONG[:600], max_tokens=12))
+
+
 @pytest.mark.parametrize("chunk", [8, 37])
 def test_chunked_prefill_gives_the_same_kv_and_reply_as_one_forward(engine_factory, obs, chunk):
     results = {}
     for tokens in (chunk, 100_000):
-        engine = engine_factory(policy="oxygen", decode_budget="fixed", tokens_per_frame=1, kv_budget_mb=16.0,
-                                prefill_chunk_tokens=tokens)
-        engine.run_cycle(obs(0))
-        handle = engine.submit(TextRequest(LONG[:600], max_tokens=12))
+        engine, handle = engine_with_question(engine_factory, obs, tokens, tokens_per_frame=1)
         seq, cycles = run_until_prefilled(engine, obs, handle)
         results[tokens] = question_kv(engine, seq), cycles, seq
     (k_chunked, v_chunked), cycles, seq = results[chunk]
@@ -57,10 +62,7 @@ def test_chunked_prefill_gives_the_same_kv_and_reply_as_one_forward(engine_facto
 
     replies = {}
     for tokens in (chunk, 100_000):
-        engine = engine_factory(policy="oxygen", decode_budget="fixed", tokens_per_frame=3, kv_budget_mb=16.0,
-                                prefill_chunk_tokens=tokens)
-        engine.run_cycle(obs(0))
-        handle = engine.submit(TextRequest(LONG[:600], max_tokens=12))
+        engine, handle = engine_with_question(engine_factory, obs, tokens, tokens_per_frame=3)
         for i in range(1, 200):
             engine.run_cycle(obs(1))           # the same frame every cycle: the request attaches to frame 1
             if handle.done():

@@ -31,8 +31,8 @@ def doc_files() -> list[Path]:
     return [f for f in files if f.exists()]
 
 
-def prose_lines(text: str):
-    """(line number, line) outside fenced code blocks, code spans blanked out."""
+def outside_fences(text: str):
+    """(line number, line) of the lines outside fenced code blocks."""
     in_fence = None
     for number, line in enumerate(text.splitlines(), 1):
         fence = FENCE.match(line)
@@ -43,7 +43,13 @@ def prose_lines(text: str):
                 in_fence = None
             continue
         if in_fence is None:
-            yield number, CODE_SPAN.sub(lambda m: " " * len(m.group(0)), line)
+            yield number, line
+
+
+def prose_lines(text: str):
+    """(line number, line) outside fenced code blocks, code spans blanked out."""
+    for number, line in outside_fences(text):
+        yield number, CODE_SPAN.sub(lambda m: " " * len(m.group(0)), line)
 
 
 def github_slug(heading: str) -> str:
@@ -60,18 +66,7 @@ def github_slug(heading: str) -> str:
 def anchors(path: Path) -> set[str]:
     found: set[str] = set()
     seen: dict[str, int] = {}
-    text = path.read_text(encoding="utf-8")
-    in_fence = None
-    for line in text.splitlines():
-        fence = FENCE.match(line)
-        if fence:
-            if in_fence is None:
-                in_fence = fence.group(1)
-            elif fence.group(1) == in_fence:
-                in_fence = None
-            continue
-        if in_fence is not None:
-            continue
+    for _, line in outside_fences(path.read_text(encoding="utf-8")):
         found.update(HTML_ANCHOR.findall(line))
         heading = HEADING.match(line)
         if heading:
