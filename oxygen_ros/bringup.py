@@ -87,13 +87,13 @@ class Executors:
     transitions hold one while the model loads) need a pool. Nodes join and leave while they spin (the
     engine node's configure and cleanup)."""
 
-    def __init__(self, service_threads: int):
+    def __init__(self, service_threads: int, context=None):
         from rclpy.executors import MultiThreadedExecutor, SingleThreadedExecutor
 
-        self.actions = SingleThreadedExecutor()
-        self.inputs = SingleThreadedExecutor()
-        self.services = MultiThreadedExecutor(num_threads=service_threads)
-        self.other = SingleThreadedExecutor()            # simulated robot, demo client, recorder, console
+        self.actions = SingleThreadedExecutor(context=context)
+        self.inputs = SingleThreadedExecutor(context=context)
+        self.services = MultiThreadedExecutor(num_threads=service_threads, context=context)
+        self.other = SingleThreadedExecutor(context=context)   # simulated robot, demo client, recorder, console
         self._named = [(self.actions, "ros-actions"), (self.inputs, "ros-inputs"),
                        (self.services, "ros-services"), (self.other, "ros-other")]
         self._threads: list[threading.Thread] = []
@@ -107,10 +107,12 @@ class Executors:
 
     def _spin(self, executor) -> None:
         """executor.spin(), except that nodes leaving while it waits are not fatal: the engine node's cleanup
-        and shutdown destroy the nodes around it while their executors spin, and rclpy then raises 'wait set
-        is empty' from that one wait (seen at shutdown: a traceback per executor thread). The next wait has
-        the nodes that remain."""
-        from rclpy._rclpy_pybind11 import RCLError
+        and shutdown destroy the nodes around it while their executors spin, and rclpy then raises from that
+        one wait: 'wait set is empty' (RCLError; seen at shutdown: a traceback per executor thread), or
+        InvalidHandle when an entity is destroyed between the executor's snapshot of a node and its wait
+        (rclpy 9.1 skips a waitable it cannot enter but still adds it to the wait set: seen in 1 of ~20 CI
+        runs of the lifecycle test, at shutdown). The next wait has the nodes that remain."""
+        from rclpy._rclpy_pybind11 import InvalidHandle, RCLError
         from rclpy.executors import ExternalShutdownException, ShutdownException
 
         while executor.context.ok() and not self._stopping.is_set():
@@ -118,7 +120,7 @@ class Executors:
                 executor.spin_once(timeout_sec=0.2)
             except (ExternalShutdownException, ShutdownException):
                 return
-            except RCLError:
+            except (RCLError, InvalidHandle):
                 if self._stopping.is_set() or not executor.context.ok():
                     return
                 time.sleep(0.05)                 # no node to wait on yet (or any more): wait for one

@@ -625,3 +625,36 @@ def test_the_demo_client_judges_a_reply_against_the_frame_it_names(ros):
         named = [c for c in COLOUR_NAMES if f"the {c} cube" in text]
         if any(c not in three.colours for c in named):
             assert judge(2_000_000_000) is None, text         # names a cube the other frame's scene lacks
+
+
+def test_an_entity_destroyed_under_a_spinning_executor_neither_stops_it_nor_reads_as_a_fault(ros, capfd):
+    """The engine node's cleanup and shutdown destroy nodes while the bringup's executors spin. An entity
+    destroyed between an executor's snapshot of its node and the wait makes rclpy 9.1's wait raise
+    InvalidHandle (it skips a waitable it cannot enter but still adds it to the wait set): made
+    deterministic here with a publisher's event handler destroyed while its node stays listed. The executor
+    thread goes on (the other node's timer ticks once the leaving node is removed) and prints no
+    'callback raised' traceback (seen in CI at a lifecycle shutdown before this was handled)."""
+    from rclpy.event_handler import EventHandler
+    from rclpy.node import Node
+
+    from oxygen_ros.bringup import Executors
+    from ros_harness import wait_until
+
+    leaving = ros.add(Node("leaving", context=ros.context))
+    leaving.create_publisher(String, "probe", 10)
+    next(w for w in leaving.waitables if isinstance(w, EventHandler)).destroy()
+    staying = ros.add(Node("staying", context=ros.context))
+    ticks = []
+    staying.create_timer(0.01, lambda: ticks.append(1))
+    executors = Executors(1, context=ros.context)
+    executors.other.add_node(leaving)
+    executors.other.add_node(staying)
+    executors.start()
+    try:
+        time.sleep(0.3)                      # every wait meets the destroyed entity and raises
+        assert not ticks
+        executors.other.remove_node(leaving)     # as RobotNodes.destroy does before destroying
+        assert wait_until(lambda: len(ticks) >= 3, 5.0), "the executor thread stopped spinning"
+    finally:
+        executors.shutdown()
+    assert "raised" not in capfd.readouterr().err
