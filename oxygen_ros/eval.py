@@ -434,13 +434,12 @@ def _ros_params(seed: int, episode_s: float, checkpoint: Path | None, execution:
 
 
 def execution_params(execution: str | None, blend_steps: int = 5) -> dict[str, dict]:
-    """Node parameters for a way of taking chunks over (None: the demo's configuration, naive)."""
+    """Node parameters for a way of taking chunks over (None: the demo's configuration, naive); the engine's
+    real-time chunking is on exactly with execution rtc."""
     if execution is None:
         return {}
-    out = {"oxygen_action": {"execution": execution, "blend_steps": blend_steps if execution == "blend" else 0}}
-    if execution == "rtc":
-        out["oxygen_engine"] = {"rtc": True}
-    return out
+    return {"oxygen_action": {"execution": execution, "blend_steps": blend_steps if execution == "blend" else 0},
+            "oxygen_engine": {"rtc": execution == "rtc"}}
 
 
 def evaluate_ros(episodes: int, seed: int = 1000, steps: int = 210, checkpoint: Path | None = None,

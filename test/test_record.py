@@ -454,7 +454,7 @@ def huge_png_header() -> bytes:
 
 
 @pytest.mark.parametrize("case", ["truncated", "wrong_shape", "huge_image", "huge_pool", "huge_record",
-                                  "chunk_bomb", "bad_metadata", "not_mcap"])
+                                  "chunk_bomb", "bad_metadata", "rtc", "not_mcap"])
 def test_a_hostile_recording_gives_one_line(case, tmp_path, capsys):
     import struct
 
@@ -467,6 +467,7 @@ def test_a_hostile_recording_gives_one_line(case, tmp_path, capsys):
         "huge_record": "not an oxygen_ros recording",
         "chunk_bomb": "a chunk says it holds 107374182400 bytes",
         "bad_metadata": "conversation_params.session_turns = -3",
+        "rtc": "recorded with real-time chunking (rtc: true)",     # its chunks depend on that run's timing
         "not_mcap": "not an MCAP file",
     }[case]
     if case == "truncated":                      # cut inside its first records: no metadata survives
@@ -491,6 +492,8 @@ def test_a_hostile_recording_gives_one_line(case, tmp_path, capsys):
         path.write_bytes(b"\x89MCAP0\r\n" + builder.end() + tail)
     elif case == "bad_metadata":
         hostile(path, frame_messages(), metadata=dict(TINY, conversation_params={"session_turns": -3}))
+    elif case == "rtc":
+        hostile(path, frame_messages(), metadata=dict(TINY, engine_params={"model": "tiny", "rtc": True}))
     else:
         path.write_bytes(b"#!/bin/sh\necho not a recording\n")
     code, err = run_replay(capsys, path)

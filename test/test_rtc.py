@@ -390,6 +390,29 @@ def test_the_engine_guides_a_robots_chunk_by_the_chunk_it_delivered(engine_facto
     assert on.stats.snapshot()["counters"]["rtc_guided_chunks"] == 1
 
 
+def test_a_robot_added_without_rtc_gets_plain_chunks_on_an_rtc_engine(engine_factory):
+    """Per robot: an openpi client (added with rtc=False) plays chunks open-loop, so the engine's RTC leaves
+    its chunks plain (the rtc-off engine's), while the robot beside it in the same cycles is guided."""
+    from oxygen_ros.engine.factory import robot_preparer
+
+    on, off = engine_factory(rtc=True, rtc_delay_rows=2), engine_factory()
+    for engine in (on, off):
+        engine.add_robot("client", robot_preparer(engine.runner.cfg, engine.tokenizer, engine.preparer.io.config),
+                         rtc=False)
+    for i, stamp in enumerate((10.0, 10.0 + 2 * DT)):
+        for engine in (on, off):
+            engine.run_frames({"": _obs(i, stamp), "client": _obs(i, stamp, seed=1)},
+                              {"": _noise(i), "client": _noise(10 + i)})
+    assert on.latest_chunk().rtc_delay_rows == 2                     # the ROS robot: guided
+    client, plain = on.latest_chunk("client"), off.latest_chunk("client")
+    assert client.rtc_delay_rows is None
+    # Beside a guided row it denoises as its own batch of 1, the rtc-off engine's batch holds both rows: the
+    # fleet's batch-composition tolerance (docs/numerics.md), not bitwise.
+    np.testing.assert_allclose(client.model_actions, plain.model_actions, rtol=0, atol=2e-5)
+    on.remove_robot("client")                                          # its setting goes with it
+    assert "client" not in on.actions._unguided
+
+
 def test_the_guide_is_the_playing_chunk_in_the_new_frames_model_space(small_model, tmp_path):
     """Alignment and delta actions: the guide's rows, taken back to robot units with the NEW observation's
     state, are the delivered chunk's rows for the same times (row 3 on: 3 rows passed between the stamps)."""

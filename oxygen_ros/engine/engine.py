@@ -95,14 +95,16 @@ class Engine:
             self.add_robot(name, p)
 
     # ================================================================== robots (any thread)
-    def add_robot(self, name: str, preparer: FramePreparer, captions: bool = True) -> EngineInfo:
+    def add_robot(self, name: str, preparer: FramePreparer, captions: bool = True, rtc: bool = True) -> EngineInfo:
         """Serve one more robot from now on (a connecting client, a fleet member; `captions`: the memory
-        settings apply to its frames). ValueError when the name is taken, the KV pool cannot keep room for
-        one more frame per cycle, or (strict_capacity) it won't fit."""
+        settings apply to its frames; `rtc`: the engine's real-time chunking, when on, guides its chunks: not
+        for a robot that plays chunks open-loop, like an openpi client). ValueError when the name is taken,
+        the KV pool cannot keep room for one more frame per cycle, or (strict_capacity) it won't fit."""
         with self._robots.lock:
             self._capacity.check_added({**self._robots.chunk_periods(), name: self._robots.chunk_period(preparer)})
             info = self._robots.add(name, preparer)
             self.captions_task.set_enabled(name, captions)
+            self.actions.set_rtc(name, rtc)
             self.stats.add_robot(name)
             self._intake.add_robot(name)
             self.scheduler.set_robots(self._robots.names, self._robots.reserve_blocks())
@@ -117,7 +119,7 @@ class Engine:
             self.scheduler.drop_owner(name, reason)
             self._intake.remove_robot(name)
             self._preparer_thread.forget(name)
-            self.actions.forget(name)
+            self.actions.remove(name)
             self.captions_task.forget(name)
             self.stats.remove_robot(name)
         self._intake.wake()

@@ -14,7 +14,8 @@ recording cannot be replayed (one line says why).
 
 Replies come from the conversation service's and the streaming action's introspection events.
 Not replayed: sampled replies (temperature > 0: the service's per-request seed is not recorded),
-replies that were cancelled, timed out or refused (they depend on timing).
+replies that were cancelled, timed out or refused (they depend on timing). A recording made with
+real-time chunking on (`rtc`) is refused: its chunks depend on run-time timing (docs/rtc.md).
 
 A recording is data from elsewhere, read as such (record/reader.py): each topic replay uses has a fixed
 message type here and a file whose schema says otherwise is refused (the schema name used to decide which
@@ -278,6 +279,10 @@ def build_engine(engine_params: dict):
 
     from oxygen_ros.nodes.engine_node import PARAMS, EngineNode
 
+    if engine_params.get("rtc") is True:
+        raise RecordingError("recorded with real-time chunking (rtc: true): each chunk was guided by the chunk "
+                             "its robot was playing and a delay predicted from that run's timing, which a "
+                             "recording does not hold, so its chunks cannot be recomputed bit for bit")
     params = dict(engine_params, memory_every_frames=0, memory_period_s=0.0)
     known = {p.name for p in PARAMS}
     try:      # the engine node's own parameters only, of types ROS can hold; the node checks their values

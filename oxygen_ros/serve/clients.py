@@ -154,8 +154,10 @@ class ClientSlots:
             if len(self._clients) >= self.capacity:
                 return None
             name = f"{CLIENT_PREFIX}{next(self._count)}"
-            # Its captions would go to ROS topics a socket client never sees: none for its frames.
-            self.engine.add_robot(name, self.template, captions=False)
+            # Its captions would go to ROS topics a socket client never sees: none for its frames. No RTC
+            # guidance either: an openpi client plays each chunk open-loop for its own replan rows, while the
+            # guidance assumes the newest chunk plays at once (docs/rtc.md).
+            self.engine.add_robot(name, self.template, captions=False, rtc=False)
             self._clients.add(name)
             return name
 

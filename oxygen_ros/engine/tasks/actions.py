@@ -20,7 +20,8 @@ guided (model/rtc.py) toward that chunk's rows for the same times:
   with LeRobot's correction at 10 steps; docs/rtc.md), so pinning only the d rows that never play from the
   new chunk leaves a step at the take-over;
 - no guidance (plain denoising, bit for bit) without a playing chunk, when it has no row left for the new
-  chunk, or when d is 0 (nothing plays while the chunk computes).
+  chunk, when d is 0 (nothing plays while the chunk computes), or for a robot added without RTC (a socket
+  client plays each chunk open-loop for its own number of rows, not the newest chunk at once).
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ class ActionsTask:
         self.latest: dict[str, ChunkResult] = {}      # per robot, its last delivered chunk
         self._played: dict[str, _Played] = {}
         self._latency: dict[str, collections.deque] = {}   # per robot, recent cycle start -> chunk ready (s)
+        self._unguided: set[str] = set()                   # robots added without RTC (set_rtc)
 
     def chunks(self, frames: list[Frame], start: float,
                faults: list[tuple[Frame, str]]) -> list[tuple[Frame, ChunkResult]]:
@@ -101,10 +103,15 @@ class ActionsTask:
         # Rows are one control period apart (the rate the checkpoint was trained at); 0: one per publish tick.
         return f.preparer.io.control_period_s or 1.0 / self.config.action_rate_hz
 
+    def set_rtc(self, robot: str, enabled: bool) -> None:
+        """Whether the engine's RTC (config `rtc`) guides this robot's chunks: only for a robot that plays the
+        newest chunk at once, taking it over at its row for then (an action publisher with execution rtc)."""
+        (self._unguided.discard if enabled else self._unguided.add)(robot)
+
     def _guide(self, f: Frame, start: float) -> tuple[rtc.RowGuide | None, int | None]:
         """(guide, delay in rows) of a frame's chunk, or (None, None): see the module docstring."""
         played = self._played.get(f.robot)
-        if played is None:
+        if played is None or f.robot in self._unguided:
             return None, None
         previous, horizon, dim = played.chunk.model_actions, *played.chunk.model_actions.shape
         offset = played.chunk.plan.row_at(f.prepared.stamp)
@@ -155,3 +162,8 @@ class ActionsTask:
         else:
             for d in (self.latest, self._played, self._latency):
                 d.pop(robot, None)
+
+    def remove(self, robot: str) -> None:
+        """A robot left the engine: what forget drops, and its RTC setting."""
+        self.forget(robot)
+        self._unguided.discard(robot)
