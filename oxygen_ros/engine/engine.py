@@ -119,7 +119,7 @@ class Engine:
             self.scheduler.drop_owner(name, reason)
             self._intake.remove_robot(name)
             self._preparer_thread.forget(name)
-            self.actions.remove(name)
+            self.actions.forget(name)
             self.captions_task.forget(name)
             self.stats.remove_robot(name)
         self._intake.wake()

@@ -155,15 +155,11 @@ class ActionsTask:
         self.notify(chunk)
 
     def forget(self, robot: str | None = None) -> None:
-        """Drop a robot's latest chunk (every robot's: the safe stop), so that nobody plays it on (and RTC
-        continues nothing)."""
+        """Drop a robot's latest chunk (every robot's: the safe stop, which keeps their RTC settings), so that
+        nobody plays it on (and RTC continues nothing); a named robot is leaving the engine: its setting too."""
         if robot is None:
             self.latest, self._played, self._latency = {}, {}, {}
         else:
             for d in (self.latest, self._played, self._latency):
                 d.pop(robot, None)
-
-    def remove(self, robot: str) -> None:
-        """A robot left the engine: what forget drops, and its RTC setting."""
-        self.forget(robot)
-        self._unguided.discard(robot)
+            self._unguided.discard(robot)
