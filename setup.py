@@ -13,7 +13,7 @@ setup(
     version="0.1.0",
     packages=packages,
     package_dir={f"{PACKAGE}.kernels": "kernels"},
-    package_data={f"{PACKAGE}.model": ["assets/*", "assets/demo/*"], f"{PACKAGE}.sim": ["assets/*"],
+    package_data={f"{PACKAGE}.model": ["assets/*", "assets/demo/*", "assets/demo_rtc/*"], f"{PACKAGE}.sim": ["assets/*"],
                   f"{PACKAGE}.console": ["static/*"]},
     data_files=[
         ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),

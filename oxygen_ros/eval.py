@@ -41,7 +41,9 @@ from oxygen_ros.engine.engine import POLICIES, ChunkResult, EngineConfig
 from oxygen_ros.robot.configs import demo_checkpoint
 from oxygen_ros.engine.factory import build_engine, build_model, model_config
 from oxygen_ros.engine.requests import TextRequest
+from oxygen_ros.engine.tasks.actions import PREFIX_UNTRAINED
 from oxygen_ros.model import rtc
+from oxygen_ros.model.checkpoint import checkpoint_settings
 from oxygen_ros.robot.chunks import EXECUTIONS, ChunkFollower
 from oxygen_ros.robot.policy_io import RobotIOConfig
 from oxygen_ros.robot.sync import Observation
@@ -84,6 +86,11 @@ class EpisodeResult:
     steps: int              # ticks until the touch (or the limit)
     touched_other: bool     # touched another cube before the named one
     final_distance: float
+
+
+def demo_model_config(checkpoint: Path):
+    """The demo model's sizes with what its checkpoint records (config.json: e.g. prefix_conditioning)."""
+    return model_config("demo", **checkpoint_settings(checkpoint))
 
 
 def run_episode(scene: ReachScene, layout: Layout, target: int, act, steps: int, replan: int,
@@ -133,7 +140,7 @@ def evaluate(episodes: int, seed: int = 0, steps: int = 210, replan: int = 10, p
              log=print) -> dict:
     torch.set_num_threads(1)
     checkpoint = Path(checkpoint or demo_checkpoint())
-    cfg = model_config("demo")
+    cfg = demo_model_config(checkpoint)
     model = build_model(cfg, str(checkpoint))
     engines = {p: EnginePolicy(p, model, checkpoint) for p in policies}
     main = "oxygen" if "oxygen" in engines else next(iter(engines))
@@ -373,12 +380,12 @@ def evaluate_execution(episodes: int, seed: int = 1000, steps: int = 210, replan
                        traces: dict | None = None, log=print) -> dict:
     """Every (execution, delay) on the same seeded episodes and chunk noise as `evaluate`. `traces`: filled
     with the first episode's DelayedEpisode per (execution, delay) (scripts/rtc_switch_plot.py)."""
-    cfg = model_config("demo")
+    checkpoint = Path(checkpoint or demo_checkpoint())
+    cfg = demo_model_config(checkpoint)
     problems = delay_problems(delays, replan, cfg.action_horizon)
     if problems:
         raise ValueError("; ".join(problems))
     torch.set_num_threads(1)
-    checkpoint = Path(checkpoint or demo_checkpoint())
     model = build_model(cfg, str(checkpoint))
     engines = {(e, d): DelayedEngine(model, checkpoint, e, d, settings) for e in executions for d in delays}
     scene = ReachScene(cfg.vision.image_size)
@@ -400,7 +407,7 @@ def evaluate_execution(episodes: int, seed: int = 1000, steps: int = 210, replan
     scene.close()
     return {
         "episodes": episodes, "seed": seed, "steps": steps, "replan": replan, "control_hz": 70,
-        "blend_steps": blend_steps,
+        "blend_steps": blend_steps, "checkpoint": checkpoint.name,
         "rtc": {"schedule": settings.schedule, "max_guidance": settings.max_guidance,
                 "execution_horizon": settings.execution_horizon,
                 "weights_end_row": min(settings.execution_horizon or cfg.action_horizon, cfg.action_horizon - replan),
@@ -418,14 +425,15 @@ _OUTCOME = re.compile(r"episode (\d+): '([^']*)': (?:touched in ([\d.]+) s|timed
 _ANSWERS = re.compile(r"\[converse\] .*; (\d+)/(\d+) right\]")
 
 
-def _ros_params(seed: int, episode_s: float, checkpoint: Path | None, execution: str | None = None) -> Path:
+def _ros_params(seed: int, episode_s: float, checkpoint: Path | None, execution: str | None = None,
+                settings: RtcSettings = RtcSettings()) -> Path:
     """A parameters file for the bringup: the robot's episode seed and length, optionally other weights and
     how chunks take over (execution_params)."""
     nodes: dict[str, dict] = {"oxygen_sim_robot": {"seed": seed, "episode_s": episode_s}}
     if checkpoint is not None:
         checkpoint = Path(checkpoint).resolve()
         nodes["oxygen_engine"] = {"checkpoint": str(checkpoint), "norm_stats": str(checkpoint / "norm_stats.json")}
-    for node, params in execution_params(execution).items():
+    for node, params in execution_params(execution, settings=settings).items():
         nodes.setdefault(node, {}).update(params)
     fd, path = tempfile.mkstemp(prefix="oxygen_eval_ros_", suffix=".yaml")
     with os.fdopen(fd, "w") as f:
@@ -433,23 +441,30 @@ def _ros_params(seed: int, episode_s: float, checkpoint: Path | None, execution:
     return Path(path)
 
 
-def execution_params(execution: str | None, blend_steps: int = 5) -> dict[str, dict]:
+def execution_params(execution: str | None, blend_steps: int = 5,
+                     settings: RtcSettings = RtcSettings()) -> dict[str, dict]:
     """Node parameters for a way of taking chunks over (None: the demo's configuration, naive); the engine's
-    real-time chunking is on exactly with execution rtc."""
+    real-time chunking is on exactly with execution rtc, with `settings` (the delay stays the engine's own)."""
     if execution is None:
         return {}
+    engine: dict = {"rtc": execution == "rtc"}
+    if execution == "rtc":
+        engine.update(rtc_schedule=settings.schedule, rtc_max_guidance=settings.max_guidance,
+                      rtc_execution_horizon=settings.execution_horizon, rtc_correction=settings.correction,
+                      rtc_margin_rows=settings.margin_rows)
     return {"oxygen_action": {"execution": execution, "blend_steps": blend_steps if execution == "blend" else 0},
-            "oxygen_engine": {"rtc": execution == "rtc"}}
+            "oxygen_engine": engine}
 
 
 def evaluate_ros(episodes: int, seed: int = 1000, steps: int = 210, checkpoint: Path | None = None,
                  domain: int | None = None, startup_timeout_s: float = 120.0, log=print,
-                 execution: str | None = None) -> dict:
+                 execution: str | None = None, settings: RtcSettings = RtcSettings()) -> dict:
     """Run the demo bringup until its robot has finished `episodes` episodes; their outcomes and the
     demo client's answers, as the simulator and the client judged them. `execution`: how the action
-    publisher takes new chunks over (rtc: with the engine's real-time chunking; None: as configured)."""
+    publisher takes new chunks over (rtc: with the engine's real-time chunking, `settings`; None: as
+    configured)."""
     episode_s = steps * CONTROL_PERIOD_S
-    params = _ros_params(seed, episode_s, checkpoint, execution)
+    params = _ros_params(seed, episode_s, checkpoint, execution, settings)
     domain = domain if domain is not None else 1 + os.getpid() % 100
     env = dict(os.environ, ROS_DOMAIN_ID=str(domain), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "oxygen_ros.bringup", "--demo", "--params-file", str(params)],
@@ -515,7 +530,8 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
                    help="row where the RTC weights end (LeRobot's execution_horizon; 0: the chunk's horizon, the "
                         "paper's H - s); cut to the previous chunk's remaining rows")
     g.add_argument("--rtc-correction", default=RtcSettings.correction, choices=rtc.CORRECTIONS,
-                   help="error: LeRobot 0.6.1's (the model's Jacobian dropped); vjp: the paper's")
+                   help="error: LeRobot 0.6.1's (the model's Jacobian dropped); vjp: the paper's; prefix: the "
+                        "pinned rows given to a checkpoint trained with prefix conditioning (--checkpoint)")
     g.add_argument("--rtc-margin", type=int, default=RtcSettings.margin_rows,
                    help="rows pinned beyond the delay (the first rows the new chunk plays); 0: the paper's weights")
 
@@ -527,8 +543,11 @@ def execution_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         p.error(f"--delay-ticks must be comma-separated integers, got {a.delay_ticks!r}")
     executions = tuple((a.execution or ",".join(EXECUTIONS)).split(","))
     problems = [f"--execution {e!r} is not one of {', '.join(EXECUTIONS)}" for e in executions if e not in EXECUTIONS]
+    cfg = demo_model_config(Path(a.checkpoint or demo_checkpoint()))
     if not a.ros:
-        problems += delay_problems(delays, a.replan, model_config("demo").action_horizon)
+        problems += delay_problems(delays, a.replan, cfg.action_horizon)
+    if a.rtc_correction == "prefix" and "rtc" in executions and not cfg.prefix_conditioning:
+        problems.append(f"--rtc-correction prefix: {PREFIX_UNTRAINED}")
     if a.ros and (a.delay_ticks is not None or len(executions) != 1 or a.replan != 10 or a.strip):
         problems.append("--ros takes one --execution and no --delay-ticks, --replan or --strip: through the real "
                         "nodes the delay and the re-planning are the engine's own")
@@ -539,13 +558,12 @@ def execution_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
                         f"{a.rtc_margin} >= 0")
     if problems:
         p.error("; ".join(problems))
+    settings = RtcSettings(a.rtc_schedule, a.rtc_beta, a.rtc_horizon, a.rtc_correction, a.rtc_margin)
     if a.ros:
-        out = evaluate_ros(a.episodes, a.seed, a.steps, a.checkpoint, execution=executions[0])
+        out = evaluate_ros(a.episodes, a.seed, a.steps, a.checkpoint, execution=executions[0], settings=settings)
     else:
         out = evaluate_execution(a.episodes, a.seed, a.steps, a.replan, delays, executions, a.blend_steps,
-                                 RtcSettings(a.rtc_schedule, a.rtc_beta, a.rtc_horizon, a.rtc_correction,
-                                             a.rtc_margin),
-                                 a.checkpoint)
+                                 settings, a.checkpoint)
     text = json.dumps(out, indent=1)
     if a.json:
         a.json.write_text(text + "\n")

@@ -68,10 +68,10 @@ def test_rtc_cost(bench_json):
     # The action step with and without RTC (issue #22): measure() itself refuses a figure whose cycles were
     # not guided as named; here the ratios are what the times say.
     c = bench_json["rtc_cost"]
-    for key in ("plain_ms", "rtc_vjp_ms", "rtc_error_ms"):
+    for key in ("plain_ms", "rtc_vjp_ms", "rtc_error_ms", "rtc_prefix_ms"):
         assert _number(c[key], float) and c[key] > 0, key
-    assert c["ratio_vjp"] == pytest.approx(c["rtc_vjp_ms"] / c["plain_ms"], abs=0.006)
-    assert c["ratio_error"] == pytest.approx(c["rtc_error_ms"] / c["plain_ms"], abs=0.006)
+    for kind in ("vjp", "error", "prefix"):
+        assert c[f"ratio_{kind}"] == pytest.approx(c[f"rtc_{kind}_ms"] / c["plain_ms"], abs=0.006), kind
     assert (c["repeats"], c["steps"], c["plain_path"]) == (1, 10, "eager")
 
 

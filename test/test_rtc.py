@@ -87,7 +87,7 @@ def test_guided_velocity_against_lerobot(key):
     batch = rtc.Guidance.stack(guides, beta)
     x = torch.tensor(REF["case_x"][rows])
     ours = {c: rtc.guided_velocity(_velocity(kind, t), x, t, batch.target, batch.weights, beta, c).numpy()
-            for c in rtc.CORRECTIONS}
+            for c in rtc.GUIDED_CORRECTIONS}
     np.testing.assert_allclose(ours["vjp"], REF["case_full"][rows], rtol=LEROBOT_RTOL, atol=LEROBOT_RTOL)
     np.testing.assert_allclose(ours["error"], REF["case_lerobot"][rows], rtol=LEROBOT_RTOL, atol=LEROBOT_RTOL)
     if kind == "const":
@@ -129,9 +129,9 @@ def setup():
     return engine.runner, frames, noise
 
 
-def _guide(seed: int, delay: int, horizon_end: int = 4) -> rtc.RowGuide:
+def _guide(seed: int, delay: int, horizon_end: int = 4, schedule: str = rtc.DEFAULT_SCHEDULE) -> rtc.RowGuide:
     g = torch.Generator().manual_seed(seed)
-    return rtc.row_guide(torch.randn(H, A, generator=g), delay, horizon_end, H, A)
+    return rtc.row_guide(torch.randn(H, A, generator=g), delay, horizon_end, H, A, schedule)
 
 
 def test_rows_without_guidance_are_plain_denoising_bitwise(setup):
@@ -200,13 +200,14 @@ def test_error_correction_needs_no_autograd(setup):
     """LeRobot 0.6.1's correction runs under inference mode (no backward pass), to the same chunk."""
     runner, frames, noise = setup
     guide = _guide(5, delay=3, horizon_end=H)
-    chunks = {c: runner.actions(frames[:1], noise[:1], guides=[guide], correction=c)[0] for c in rtc.CORRECTIONS}
+    chunks = {c: runner.actions(frames[:1], noise[:1], guides=[guide], correction=c)[0]
+              for c in rtc.GUIDED_CORRECTIONS}
     with torch.inference_mode():
         attn = ActionAttention(runner.pool.kv, [frames[0].segment], H, "torch", runner.model.device)
         again = runner.model.sample_actions(noise[:1], attn, guidance=rtc.Guidance.stack([guide], correction="error"))
     assert np.array_equal(again[0].numpy(), chunks["error"])
     assert np.abs(chunks["vjp"] - chunks["error"]).max() > 1e-3
-    with pytest.raises(ValueError, match="correction 'exact' is not one of vjp, error"):
+    with pytest.raises(ValueError, match="correction 'exact' is not one of vjp, error, prefix"):
         rtc.Guidance.stack([guide], correction="exact")
 
 
@@ -221,6 +222,78 @@ def test_guided_sampling_refuses_what_it_cannot_differentiate(setup):
         runner.model.sample_actions(noise[:1], torch_attn, guidance=guidance)
     with pytest.raises(ValueError, match="RTC guidance for"):
         runner.model.sample_actions(noise[:2], torch_attn, guidance=guidance)
+
+
+# ------------------------------------------------------------------------------------ prefix conditioning
+def test_a_time_per_token_is_the_time_per_row_when_they_agree(setup):
+    """denoise_step with t [R, H] (prefix conditioning) computes what t [R] does when every token of a row has
+    its row's time: only the condition's gather differs (float32 GEMMs of another shape: 1e-6)."""
+    runner, frames, noise = setup
+    attn = ActionAttention(runner.pool.kv, [f.segment for f in frames], H, "torch", runner.model.device)
+    t = torch.tensor([1.0, 0.55, 0.1])
+    with torch.inference_mode():
+        per_row = runner.model.denoise_step(noise, t, attn)
+        per_token = runner.model.denoise_step(noise, t[:, None].expand(3, H).contiguous(), attn)
+        mixed = runner.model.denoise_step(noise, torch.where(torch.arange(H) < 2, 0.0, t[:, None]), attn)
+    torch.testing.assert_close(per_token, per_row, atol=1e-6, rtol=1e-6)
+    assert (mixed - per_row).abs().max() > 1e-3                  # the tokens' times do condition them
+
+
+def test_prefix_conditioning_gives_the_pinned_rows_and_needs_a_trained_model(setup):
+    """Correction "prefix": the rows with a weight come back exactly as given (the previous chunk's), the
+    others are denoised conditioned on them (time 0 there, no gradient, under inference mode); a row without
+    a guide in the same batch is plain denoising bit for bit. A model not trained so is refused."""
+    runner, frames, noise = setup
+    guides = [_guide(1, 3, H, "zeros"), None, _guide(2, 5, H, "zeros")]     # the pinned rows only
+    with pytest.raises(ValueError, match="needs a model trained with prefix conditioning"):
+        runner.actions(frames, noise, guides=guides, correction="prefix")
+    model_cfg = runner.model.cfg
+    runner.model.cfg = model_cfg.replace(prefix_conditioning=True)
+    try:
+        out = runner.actions(frames, noise, guides=guides, correction="prefix")
+        (plain,) = runner.actions(frames[1:2], noise[1:2])
+        guided_alone = runner.actions(frames[:1], noise[:1], guides=guides[:1], correction="prefix")[0]
+        free_plain = runner.actions(frames[:1], noise[:1])[0]
+        with pytest.raises(ValueError, match="weights must be 0 or 1"):
+            runner.actions(frames[:1], noise[:1], guides=[_guide(1, 3)], correction="prefix")   # soft rows
+    finally:
+        runner.model.cfg = model_cfg
+    for i in (0, 2):
+        given = guides[i].weights.numpy() > 0
+        assert given.sum() == (3, None, 5)[i]
+        assert np.array_equal(out[i][given], guides[i].target.numpy()[given])
+    assert np.array_equal(out[1], plain)
+    assert np.abs(out[0] - guided_alone).max() <= GUIDED_BATCH_ATOL
+    assert np.abs(guided_alone[3:] - free_plain[3:]).max() > 1e-3    # the free rows see the given ones
+
+
+def test_an_engine_refuses_prefix_rtc_on_a_model_not_trained_for_it():
+    from oxygen_ros.engine.tasks.actions import PREFIX_UNTRAINED
+
+    model = build_model(small_config(), seed=3)
+    with pytest.raises(ValueError, match="prefix conditioning") as refused:
+        build_engine(built_model=model, kv_budget_mb=4.0, robot_io=RobotIOConfig(robot_action_dim=7),
+                     engine=EngineConfig(rtc=True, rtc_correction="prefix"))
+    assert str(refused.value) == PREFIX_UNTRAINED
+    build_engine(built_model=model, kv_budget_mb=4.0, robot_io=RobotIOConfig(robot_action_dim=7),
+                 engine=EngineConfig(rtc=False, rtc_correction="prefix"))      # unused while RTC is off
+
+
+def test_the_engine_node_lists_prefix_rtc_on_an_untrained_checkpoint_and_reads_the_flag(tmp_path):
+    """The engine node lists the refusal with its other parameter problems; a checkpoint's config.json says
+    whether it was trained so (a bool, or a one-line refusal)."""
+    from oxygen_ros.model.checkpoint import CheckpointError, checkpoint_settings
+    from oxygen_ros.record.replay import RecordingError, build_engine as node_engine
+    from oxygen_ros.robot.configs import demo_checkpoint
+
+    with pytest.raises(RecordingError, match="needs a checkpoint trained with prefix conditioning") as refused:
+        node_engine({"model": "tiny", "rtc": True, "rtc_correction": "prefix", "kv_budget_mb": -1.0})
+    assert "kv_budget_mb" in str(refused.value)                     # listed together
+    assert checkpoint_settings(demo_checkpoint("demo_rtc"))["prefix_conditioning"] is True
+    assert "prefix_conditioning" not in checkpoint_settings(demo_checkpoint())
+    (tmp_path / "config.json").write_text('{"action_horizon": 20, "prefix_conditioning": "yes"}')
+    with pytest.raises(CheckpointError, match="prefix_conditioning must be true or false, got 'yes'"):
+        checkpoint_settings(tmp_path)
 
 
 def test_unguided_rows_keep_the_fixed_shape_loop_and_guided_rows_run_torch():

@@ -106,7 +106,8 @@ def table(result: dict) -> str:
         c = result["rtc_cost"]
         add(f"RTC cost (action step, median of {c['repeats']} cycles, d = {c['delay_rows']}): plain {c['plain_ms']:.1f} ms "
             f"({c['plain_path']}); rtc error correction {c['rtc_error_ms']:.1f} ms (x{c['ratio_error']:.2f}), "
-            f"vjp {c['rtc_vjp_ms']:.1f} ms (x{c['ratio_vjp']:.2f}) ({c['rtc_path']})")
+            f"vjp {c['rtc_vjp_ms']:.1f} ms (x{c['ratio_vjp']:.2f}) ({c['rtc_path']}); prefix conditioning "
+            f"{c['rtc_prefix_ms']:.1f} ms (x{c['ratio_prefix']:.2f}) ({c['prefix_path']})")
     if result.get("sweep"):
         sw = result["sweep"]
         add("")

@@ -85,8 +85,10 @@ class EngineConfig:
     rtc_execution_horizon: int = setting(10, "Row where the RTC weights end (LeRobot's execution_horizon, its "
                                              "default 10; 0: the chunk's horizon, the paper's H - s). Cut to the "
                                              "playing chunk's remaining rows.", minimum=0)
-    rtc_correction: str = setting("error", "RTC correction: error (LeRobot 0.6.1's: no backward pass) or vjp "
-                                           "(the paper's: a backward pass through the action expert per step).",
+    rtc_correction: str = setting("error", "RTC correction: error (LeRobot 0.6.1's: no backward pass), vjp "
+                                           "(the paper's: a backward pass through the action expert per step) or "
+                                           "prefix (the pinned rows given whole to a checkpoint trained with "
+                                           "prefix conditioning: no guidance, the schedule and beta unused).",
                                   choices=rtc_fns.CORRECTIONS)
     rtc_margin_rows: int = setting(1, "RTC rows pinned (weight 1) beyond the delay: the first rows the new chunk "
                                       "plays also continue the playing chunk, so that its take-over is "

@@ -131,8 +131,8 @@ class ModelRunner:
         [R, H, action_dim], one row per frame). A chunk with non-finite values comes back as an EngineFault.
         guides: per frame, real-time chunking toward its robot's previous chunk (model/rtc.py), or None; with
         the guidance weight clip `max_guidance` (beta) and the `correction` ("vjp": the paper's; "error":
-        LeRobot 0.6.1's). Frames without an active guide are denoised exactly as without guides (as their
-        own batch)."""
+        LeRobot 0.6.1's; "prefix": the pinned rows given to a model trained with prefix conditioning).
+        Frames without an active guide are denoised exactly as without guides (as their own batch)."""
         steps = steps or self.cfg.num_denoise_steps
         noise = noise.reshape(len(frames), *noise.shape[-2:])
         guided = rtc.guided_rows(guides)
@@ -164,7 +164,13 @@ class ModelRunner:
         """RTC rows. The guidance is a vector-Jacobian product through the expert, so these rows run with
         autograd on, outside inference mode (whose tensors autograd cannot save), eagerly on the torch
         attention and norms whatever the runner's backend: the Triton kernels have no backward, and a
-        CUDA graph holds no autograd. The prefix K/V is read, never differentiated (it needs no gradient)."""
+        CUDA graph holds no autograd. The prefix K/V is read, never differentiated (it needs no gradient).
+        Correction "prefix" (a model trained with prefix conditioning) needs no gradient: the runner's
+        kernels, eagerly (the fixed-shape graph loops take one time per row)."""
+        if guidance.correction == "prefix":
+            attn = ActionAttention(self.pool.kv, [f.segment for f in frames], noise.shape[-2], self.backend,
+                                   self.model.device)
+            return self.model.sample_actions(noise, attn, steps, guidance=guidance)
         with torch.inference_mode(False):
             attn = ActionAttention(self.pool.kv, [f.segment for f in frames], noise.shape[-2], "torch",
                                    self.model.device)

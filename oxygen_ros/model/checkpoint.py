@@ -194,7 +194,8 @@ def read_key_map(path: str | Path) -> tuple[str, dict[str, tuple[Path, str]]]:
 def checkpoint_settings(path: str | Path) -> dict:
     """Model settings recorded next to the weights, in Pi05Config field names: openpi's conversion writes
     config.json with action_horizon/action_dim; LeRobot's has chunk_size, max_action_dim,
-    tokenizer_max_length and num_inference_steps. Empty when there is no such file."""
+    tokenizer_max_length and num_inference_steps; ours may add prefix_conditioning (a bool). Empty when there
+    is no such file."""
     path = Path(path)
     config = (path if path.is_dir() else path.parent) / "config.json"
     if not config.is_file():
@@ -208,7 +209,13 @@ def checkpoint_settings(path: str | Path) -> dict:
     names = {"action_horizon": "action_horizon", "action_dim": "action_dim", "chunk_size": "action_horizon",
              "max_action_dim": "action_dim", "tokenizer_max_length": "max_token_len",
              "num_inference_steps": "num_denoise_steps"}
-    return {ours: int(data[theirs]) for theirs, ours in names.items() if isinstance(data.get(theirs), int)}
+    settings = {ours: int(data[theirs]) for theirs, ours in names.items() if isinstance(data.get(theirs), int)}
+    if "prefix_conditioning" in data:       # written by oxygen_ros.training.train --prefix-delay-max
+        if not isinstance(data["prefix_conditioning"], bool):
+            raise CheckpointError(f"{config}: prefix_conditioning must be true or false, "
+                                  f"got {data['prefix_conditioning']!r}")
+        settings["prefix_conditioning"] = data["prefix_conditioning"]
+    return settings
 
 
 @dataclass(frozen=True)

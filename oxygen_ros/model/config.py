@@ -61,6 +61,9 @@ class Pi05Config:
     time_min_period: float = 4e-3
     time_max_period: float = 4.0
     camera_slots: tuple[str, ...] = CAMERA_SLOTS
+    # Trained with prefix conditioning (training-time RTC, Black et al. 2025): the expert takes some leading
+    # action rows as given (clean, flow time 0) and continues them. Recorded in the checkpoint's config.json.
+    prefix_conditioning: bool = False
 
     def __post_init__(self):
         problems = []

@@ -155,19 +155,24 @@ class Pi05(nn.Module):
 
     def denoise_step(self, x_t: torch.Tensor, t: torch.Tensor, attn: ActionAttention,
                      backend: str | None = None) -> torch.Tensor:
-        """Velocity v [R, H, action_dim] (float32) of noisy actions x_t [R, H, action_dim] at times t [R].
+        """Velocity v [R, H, action_dim] (float32) of noisy actions x_t [R, H, action_dim] at times t [R], or
+        t [R, H]: a time per action token (prefix conditioning: given rows are clean, at t = 0).
         `backend`: the norms' and activation's implementation (default: the model's); RTC passes "torch",
         whose operations autograd can differentiate."""
         c = self.cfg.expert
         backend = backend or self.backend
         rows, horizon, _ = x_t.shape
-        cond = self.time_condition(t)
+        if t.ndim == 2:     # a condition per distinct time (two: the given rows' 0 and the step's), gathered per token
+            times, token_rows = torch.unique(t.reshape(-1), return_inverse=True)
+            cond = self.time_condition(times)
+        else:
+            cond, token_rows = self.time_condition(t), attn.token_rows
         x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.dtype)
         x = x.reshape(rows * horizon, c.width)
         cos, sin = rope_cos_sin(attn.positions, c.head_dim, c.rope_theta, x.dtype)
         for i, layer in enumerate(self.expert_layers):
-            x = layer(x, cos, sin, attn.layer(i), cond=cond, token_rows=attn.token_rows, backend=backend)
-        scale, shift, _ = self.expert_norm.modulation(cond, attn.token_rows, x.dtype)  # its gate is unused
+            x = layer(x, cos, sin, attn.layer(i), cond=cond, token_rows=token_rows, backend=backend)
+        scale, shift, _ = self.expert_norm.modulation(cond, token_rows, x.dtype)  # its gate is unused
         x = kernel_ops.ada_rms_norm(x, scale, shift, c.rms_eps, backend)
         return self.action_out_proj(x.float().to(self.action_out_proj.weight.dtype)).float().reshape(
             rows, horizon, -1)
@@ -190,13 +195,16 @@ class Pi05(nn.Module):
                        record: list | None = None, guidance: rtc.Guidance | None = None) -> torch.Tensor:
         """Euler integration of the flow from noise (t = 1) to actions (t = 0), in `steps` steps.
 
-        guidance: real-time chunking for every row (model/rtc.py). Each step's velocity is then the guided
-        one; its "vjp" correction is a vector-Jacobian product through the expert: autograd must be
-        available (not in inference mode) and `attn` must be the torch attention (the Triton kernels have
-        no backward); the norms run on the torch path too. Without guidance the loop is unchanged (and
-        captured as one CUDA graph)."""
+        guidance: real-time chunking for every row (model/rtc.py). Correction "prefix": the rows with
+        weight 1 are given, clean, at every step (`_sample_conditioned`; a model trained for it). Otherwise each
+        step's velocity is the guided one; its "vjp" correction is a vector-Jacobian product through the
+        expert: autograd must be available (not in inference mode) and `attn` must be the torch attention (the
+        Triton kernels have no backward); the norms run on the torch path too. Without guidance the loop is
+        unchanged (and captured as one CUDA graph)."""
         times, dt = self.flow_schedule(steps or self.cfg.num_denoise_steps)
         x = noise.float().to(self.device)
+        if guidance is not None and guidance.correction == "prefix":
+            return self._sample_conditioned(x, attn, times, dt, guidance, record)
         if guidance is not None:
             return self._sample_guided(x, attn, times, dt, guidance, record)
         for i in range(times.shape[0]):
@@ -205,6 +213,31 @@ class Pi05(nn.Module):
                 record.append((float(times[i]), x.clone(), v.clone()))
             x = x + dt * v
         return x
+
+    def _sample_conditioned(self, x: torch.Tensor, attn: ActionAttention, times: torch.Tensor, dt: torch.Tensor,
+                            guidance: rtc.Guidance, record: list | None) -> torch.Tensor:
+        """Prefix conditioning (training-time RTC, Black et al. 2025; `prefix_conditioning` in the config):
+        the rows with weight 1 are the playing chunk's, given clean at flow time 0 at every step,
+        and the model, trained so, denoises the other rows to continue them. No guidance term, no gradient.
+        The given rows come back as given (they play from the previous chunk anyway)."""
+        if not self.cfg.prefix_conditioning:
+            raise ValueError("RTC correction 'prefix' needs a model trained with prefix conditioning "
+                             "(config.json \"prefix_conditioning\": true); this one was not")
+        if guidance.target.shape != x.shape or guidance.weights.shape != x.shape[:2]:
+            raise ValueError(f"RTC prefix of {list(guidance.target.shape)} rows and "
+                             f"{list(guidance.weights.shape)} weights, the noise is {list(x.shape)}")
+        if not ((guidance.weights == 0) | (guidance.weights == 1)).all():
+            raise ValueError("RTC prefix rows are given whole: their weights must be 0 or 1 (schedule zeros)")
+        given = (guidance.weights > 0).to(self.device)
+        target = guidance.target.to(self.device, torch.float32)
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        for i in range(times.shape[0]):
+            x = torch.where(given[..., None], target, x)
+            v = self.denoise_step(x, torch.where(given, zero, times[i]), attn)
+            if record is not None:
+                record.append((float(times[i]), x.clone(), v.clone()))
+            x = x + dt * v
+        return torch.where(given[..., None], target, x)
 
     def _sample_guided(self, x: torch.Tensor, attn: ActionAttention, times: torch.Tensor, dt: torch.Tensor,
                        guidance: rtc.Guidance, record: list | None) -> torch.Tensor:

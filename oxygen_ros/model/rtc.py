@@ -18,6 +18,11 @@ guided row, at one flow step:
 (dt < 0, so -dt * min(..) * g moves x_t toward Y.) The velocity function is the action expert over a frame's
 prefix K/V: the K/V are constants, the gradient flows only from x_t through the expert's suffix.
 
+A third way needs a model trained for it (`Pi05Config.prefix_conditioning`; Black et al. 2025,
+"Training-Time Action Conditioning for Efficient Real-Time Chunking"): correction "prefix" gives the
+pinned rows to the expert as clean actions at flow time 0 at every step (Pi05._sample_conditioned) and the
+model continues them; no guidance term, no backward pass, only the pinned rows (weight > 0) matter.
+
 LeRobot 0.6.1 (`lerobot.policies.rtc.modeling_rtc.RTCProcessor`) computes the same v' with the same
 weights, guidance weight and time convention, except that it evaluates v(x_t) before marking x_t as
 requiring a gradient, so its `correction` is e itself (d x0 / d x_t taken as the identity): its result is
@@ -40,7 +45,8 @@ import torch
 
 SCHEDULES = ("exp", "linear", "ones", "zeros")
 DEFAULT_SCHEDULE = "exp"
-CORRECTIONS = ("vjp", "error")
+GUIDED_CORRECTIONS = ("vjp", "error")        # guided_velocity's
+CORRECTIONS = GUIDED_CORRECTIONS + ("prefix",)  # "prefix": a model trained with prefix conditioning
 DEFAULT_MAX_GUIDANCE = 5.0      # beta, the paper's value
 
 
@@ -96,7 +102,8 @@ def guided_velocity(velocity: Callable[[torch.Tensor], torch.Tensor], x_t: torch
             g = (target - (x_t - t * v)) * weights[..., None]
         return v - guidance_weight(t, max_weight) * g
     if correction != "vjp":
-        raise ValueError(f"RTC correction {correction!r} is not one of {', '.join(CORRECTIONS)}")
+        raise ValueError(f"RTC correction {correction!r} is not one of {', '.join(GUIDED_CORRECTIONS)} "
+                         f"(the guided velocities)")
     if torch.is_inference_mode_enabled():
         raise RuntimeError("RTC guidance needs autograd: call it outside torch.inference_mode")
     x = x_t.detach().requires_grad_(True)

@@ -81,11 +81,13 @@ def trajectory_message(plan: ActionChunkPlan, actions: np.ndarray, now_s: float,
     return msg
 
 
-def chunk_message(plan: ActionChunkPlan, names: list[str], compute_latency_s: float):
+def chunk_message(plan: ActionChunkPlan, names: list[str], compute_latency_s: float,
+                  rtc_delay_rows: int | None = None):
     from oxygen_interfaces.msg import ActionChunk
 
     msg = ActionChunk(frame_index=plan.frame_index, horizon=plan.horizon, dim=plan.actions.shape[1],
                       step_period_s=plan.step_period_s, actions=plan.actions.ravel().tolist(), names=list(names),
-                      compute_latency_s=float(compute_latency_s))
+                      compute_latency_s=float(compute_latency_s),
+                      rtc_delay_rows=rtc_delay_rows or 0)
     msg.header.stamp = ros_time(plan.stamp_s)
     return msg

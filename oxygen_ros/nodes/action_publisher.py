@@ -181,7 +181,7 @@ class ActionPublisher(Node):
             chunk, self._incoming = self._incoming, None
         new_chunk = chunk is not None and self.follower.push(chunk.plan)
         if new_chunk:
-            self.chunk_pub.publish(chunk_message(chunk.plan, self.names, chunk.compute_s))
+            self.chunk_pub.publish(chunk_message(chunk.plan, self.names, chunk.compute_s, chunk.rtc_delay_rows))
             self._hold_since = None   # holding the newest chunk's last row is fresh again
         if not self.enabled:
             self.last_status = "disabled"

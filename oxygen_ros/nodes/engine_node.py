@@ -28,6 +28,7 @@ from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackRet
 from std_srvs.srv import Trigger
 
 from oxygen_ros.engine.config import EngineConfig, node_settings
+from oxygen_ros.engine.tasks.actions import PREFIX_UNTRAINED
 from oxygen_ros.engine.engine import Engine
 from oxygen_ros.engine.factory import build_engine, model_config
 from oxygen_ros.model.checkpoint import checkpoint_settings, lerobot_policy
@@ -319,6 +320,8 @@ class EngineNode(LifecycleNode):
             said = "" if p["state_in_prompt"] == state_in_prompt else f" (the robot config said {p['state_in_prompt']})"
             self.get_logger().info(f"state in the prompt: {state_in_prompt}, as the LeRobot checkpoint was "
                                    f"trained{said}")
+        if cfg is not None and p["rtc"] and p["rtc_correction"] == "prefix" and not cfg.prefix_conditioning:
+            problems.append(PREFIX_UNTRAINED)
         if problems:
             raise ParameterError("\n".join(problems))
         engine_cfg = EngineConfig(**{q.name: p[q.name] for q in ENGINE_PARAMS},

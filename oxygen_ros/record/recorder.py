@@ -165,7 +165,7 @@ class Recorder(Node):
             self.bag.write(topic, msg_type, data)
         elif kind == "chunk":
             chunk = item[1]
-            msg = chunk_message(chunk.plan, self.joint_names, chunk.compute_s)
+            msg = chunk_message(chunk.plan, self.joint_names, chunk.compute_s, chunk.rtc_delay_rows)
             self.bag.write("/oxygen/action_chunk", type(msg), serialize_message(msg))
         else:
             self._write_observation(item[2])

@@ -12,10 +12,15 @@ match token count and text exactly, captions likewise. Same machine and dtype: i
 machine or dtype: the report shows how far apart. Exit code 0 when all identical, 1 otherwise, 2 when the
 recording cannot be replayed (one line says why).
 
+Real-time chunking (`rtc`, docs/rtc.md): each chunk continued the chunk delivered before it, with a delay
+predicted from that run's timing; the chunk message records the delay (`rtc_delay_rows`), and replay
+computes each chunk with it, after the recorded chunk before it. A recording that begins mid-run (its first
+files rotated away) begins with chunks that continued an unrecorded one: those are skipped
+(`rtc_continues_unrecorded`) up to the first chunk made without guidance.
+
 Replies come from the conversation service's and the streaming action's introspection events.
 Not replayed: sampled replies (temperature > 0: the service's per-request seed is not recorded),
-replies that were cancelled, timed out or refused (they depend on timing). A recording made with
-real-time chunking on (`rtc`) is refused: its chunks depend on run-time timing (docs/rtc.md).
+replies that were cancelled, timed out or refused (they depend on timing).
 
 A recording is data from elsewhere, read as such (record/reader.py): each topic replay uses has a fixed
 message type here and a file whose schema says otherwise is refused (the schema name used to decide which
@@ -67,6 +72,7 @@ class Frame:
     prompt: str = ""
     questions: list = field(default_factory=list)    # (request msg, response msg) answered from this frame
     captions: list = field(default_factory=list)     # recorded caption texts of this frame
+    rtc_delay_rows: int | None = None                # the delay RTC made the chunk with (None: plain)
 
 
 @dataclass
@@ -177,7 +183,7 @@ def read_recording(paths: list[str], say=print) -> Recording:
     does not parse is skipped and said so; one that ends early (the recorder was killed) is read up to
     its last whole record."""
     metadata: dict = {}
-    chunks: dict[int, tuple[int, np.ndarray]] = {}
+    chunks: dict[int, tuple[int, np.ndarray, int | None]] = {}
     states: dict[int, tuple[np.ndarray, str]] = {}
     images: dict[int, dict[str, object]] = {}
     requests: dict[tuple, object] = {}
@@ -211,7 +217,7 @@ def read_recording(paths: list[str], say=print) -> Recording:
             elif topic.startswith(OBSERVATION):
                 images.setdefault(_stamp_ns(msg.header), {})[msg.header.frame_id] = msg
             elif topic == "/oxygen/action_chunk":
-                chunks[msg.frame_index] = (_stamp_ns(msg.header), actions)
+                chunks[msg.frame_index] = (_stamp_ns(msg.header), actions, msg.rtc_delay_rows or None)
             elif topic == "/oxygen/memory":
                 captions.append(msg)
             else:   # service event: request received / response sent, paired by client and sequence
@@ -240,16 +246,21 @@ def read_recording(paths: list[str], say=print) -> Recording:
             replied_goals.add(goal_id)
             requests[("goal", goal_id)] = goals.get(goal_id)
             responses.append((("goal", goal_id), result))
-    frames, skipped = {}, {"no_observation": 0, "reply_not_comparable": 0, "reply_without_request": 0,
+    frames, skipped = {}, {"no_observation": 0, "rtc_continues_unrecorded": 0, "reply_not_comparable": 0,
+                           "reply_without_request": 0,
                            "reply_frame_not_recorded": 0, "caption_frame_not_recorded": 0,
                            "unreadable_files": sum(how.startswith("skipped") for how in files.values()),
                            "unfinished_files": sum(how.startswith("unfinished") for how in files.values())}
-    for index, (stamp, actions) in sorted(chunks.items()):
+    for index, (stamp, actions, delay) in sorted(chunks.items()):
         if stamp not in states:
             skipped["no_observation"] += 1          # its observation was in a file rotated away
             continue
+        if delay is not None and not frames:
+            skipped["rtc_continues_unrecorded"] += 1    # it continued a chunk before the recording's first
+            continue
         state, frame_prompt = states[stamp]
-        frames[index] = Frame(index, stamp, actions, state, images.get(stamp, {}), frame_prompt)
+        frames[index] = Frame(index, stamp, actions, state, images.get(stamp, {}), frame_prompt,
+                              rtc_delay_rows=delay)
     streamed = 0
     for key, response in responses:
         request = requests.get(key)
@@ -279,10 +290,6 @@ def build_engine(engine_params: dict):
 
     from oxygen_ros.nodes.engine_node import PARAMS, EngineNode
 
-    if engine_params.get("rtc") is True:
-        raise RecordingError("recorded with real-time chunking (rtc: true): each chunk was guided by the chunk "
-                             "its robot was playing and a delay predicted from that run's timing, which a "
-                             "recording does not hold, so its chunks cannot be recomputed bit for bit")
     params = dict(engine_params, memory_every_frames=0, memory_period_s=0.0)
     known = {p.name for p in PARAMS}
     try:      # the engine node's own parameters only, of types ROS can hold; the node checks their values
@@ -356,9 +363,12 @@ def replay(recording: Recording, engine=None, say=print) -> dict:
                 ask("memory", engine.config.memory_prompt, engine.config.memory_max_tokens, text)
             images = {s: decode_compressed(m.format, m.data, name=s) if (m := frame.images.get(s)) else None
                       for s in slots}
-            obs = Observation(frame.stamp_ns * 1e-9, images, {s: images[s] is not None for s in slots},
+            # seconds as the observation node converts a header (sec + nanosec * 1e-9): RTC aligns chunks by stamps
+            stamp_s = frame.stamp_ns // 1_000_000_000 + (frame.stamp_ns % 1_000_000_000) * 1e-9
+            obs = Observation(stamp_s, images, {s: images[s] is not None for s in slots},
                               frame.state, frame.prompt)
             before = engine.latest_chunk()
+            engine.actions.replayed_delay = frame.rtc_delay_rows or 0       # as recorded; 0: plain
             engine.run_cycle(obs, noise=engine.frame_noise(frame.index))
             chunk = engine.latest_chunk()
             got = chunk.plan.actions if chunk is not None and chunk is not before else None

@@ -36,11 +36,14 @@ def find_config(name: str) -> Path:
     raise FileNotFoundError(f"no robot config {name}.yaml in {', '.join(map(str, dirs))}")
 
 
-def demo_checkpoint() -> Path:
-    """The shipped demo weights (model.safetensors, norm_stats.json, config.json)."""
+def demo_checkpoint(name: str = "demo") -> Path:
+    """Shipped demo weights (model.safetensors, norm_stats.json, config.json): "demo", or "demo_rtc" (its
+    action expert fine-tuned with prefix conditioning for real-time chunking, docs/rtc.md)."""
     from importlib import resources
 
-    return Path(str(resources.files("oxygen_ros.model") / "assets" / "demo"))
+    if name not in ("demo", "demo_rtc"):
+        raise ValueError(f"no shipped weights {name!r}: demo or demo_rtc")
+    return Path(str(resources.files("oxygen_ros.model") / "assets" / name))
 
 
 def demo_weights_params() -> Path:

@@ -12,8 +12,9 @@ from oxygen_ros.model.normalize import EPS, Normalizer
 from oxygen_ros.model.pi05 import PrefixRow
 from oxygen_ros.model.preprocess import to_pixels
 from oxygen_ros.model.tokenizer import Tokenizer
+from oxygen_ros.sim.expert import expert_chunk, inverse_kinematics
 from oxygen_ros.sim.questions import scene_questions
-from oxygen_ros.sim.scene import COLOUR_NAMES, COLOURS, Layout, task_prompt
+from oxygen_ros.sim.scene import COLOUR_NAMES, COLOURS, Layout, task_prompt, touch_point
 
 from .attention import TrainPrefixAttention
 
@@ -53,6 +54,40 @@ class Batch:
     answer_targets: torch.Tensor     # [n] token ids predicted at attention.last_token
     actions: torch.Tensor            # [B, H, action_dim] normalised deltas
     patch_colours: torch.Tensor      # [B, patches] 0 = no cube, 1 + COLOUR_NAMES index
+    given_rows: torch.Tensor | None = None   # [B] prefix conditioning: leading rows of `actions` given clean
+
+
+# Prefix conditioning (training-time RTC): the rows a robot plays while a chunk computes come from the chunk
+# planned one observation earlier, which is not the plan of this observation: it started from where the
+# arm was then (and the arm lags its commands), aimed where that frame said, now and then at another cube.
+STALE_START_NOISE = 0.06       # rad per joint: where the earlier plan started, relative to this state
+STALE_GOAL_NOISE = 0.10        # rad per joint: where it aimed, relative to the named cube
+STALE_WRONG_CUBE = 0.2         # how often it aimed at another cube of the scene
+TURN_ROWS = 4                  # rows over which the continuation turns from the earlier plan's velocity
+
+
+def conditioned_chunk(state: np.ndarray, goal: np.ndarray, other_goals: list[np.ndarray], delay: int,
+                      horizon: int, rng: np.random.Generator) -> np.ndarray:
+    """A chunk [horizon, 3] of joint targets for prefix conditioning: its first `delay` rows are an earlier
+    plan's (the scripted expert's line from a perturbed start toward a perturbed, sometimes wrong, goal), the
+    rest turn from that plan's velocity to the expert's toward the named cube over TURN_ROWS rows (velocity
+    mixed linearly, then the expert re-planning from each row). The expert's own chunk continues its first
+    rows in a straight line, so a model trained on it learns to extrapolate the given rows and ignore the
+    image (measured: it follows a prefix aimed at another cube); a stale plan and a continuation that turns
+    to the named cube teach it to continue the rows it is given and still go where the image and the prompt
+    say, and the turn keeps the velocity continuous where the given rows end."""
+    if delay == 0:
+        return expert_chunk(state, goal, horizon)
+    aim = other_goals[int(rng.integers(len(other_goals)))] if other_goals and rng.random() < STALE_WRONG_CUBE else goal
+    start = state + rng.normal(0.0, STALE_START_NOISE, size=state.shape)
+    earlier = np.concatenate([start[None], expert_chunk(start, aim + rng.normal(0.0, STALE_GOAL_NOISE,
+                                                                                 size=state.shape), delay)])
+    velocity, rows = earlier[-1] - earlier[-2], [earlier[-1]]
+    for k in range(horizon - delay):
+        w = min(1.0, (k + 1) / (TURN_ROWS + 1))
+        expert_step = expert_chunk(rows[-1], goal, 1)[0] - rows[-1]
+        rows.append(rows[-1] + (1 - w) * velocity + w * expert_step)
+    return np.concatenate([earlier[1:], rows[1:]])
 
 
 def patch_colours(images: np.ndarray, patch: int, min_pixels: int = 3) -> np.ndarray:
@@ -66,7 +101,10 @@ def patch_colours(images: np.ndarray, patch: int, min_pixels: int = 3) -> np.nda
 
 
 def make_batch(data: dict[str, np.ndarray], index: np.ndarray, tok: Tokenizer, norm: Normalizer,
-               rng: np.random.Generator, image_size: int, image_tokens: int, max_token_len: int) -> Batch:
+               rng: np.random.Generator, image_size: int, image_tokens: int, max_token_len: int,
+               prefix_delay_max: int = 0) -> Batch:
+    """prefix_delay_max > 0: each sample's chunk is a conditioned_chunk whose first d rows (d uniform in
+    0..prefix_delay_max, `given_rows`) the expert is given (training/train.py: flow_matching_loss)."""
     rows, lengths, bidir, prefix, read, targets = [], [], [], [], [], []
     offset = 0
     for i in index:
@@ -90,8 +128,22 @@ def make_batch(data: dict[str, np.ndarray], index: np.ndarray, tok: Tokenizer, n
         bidir.append(n_prefix)          # upstream π0.5: the whole prefix is bidirectional; Q&A causal
         prefix.append(n_prefix)
         offset += n
-    actions = normalize_actions(norm, action_deltas({k: data[k][index] for k in ("chunk", "state")}))
+    chunks, given = data["chunk"][index], None
+    if prefix_delay_max:
+        given = rng.integers(0, prefix_delay_max + 1, size=len(index))
+        chunks = np.stack([conditioned_chunk(data["state"][i].astype(np.float64), *_goals(data, i), int(d),
+                                             chunks.shape[1], rng) for i, d in zip(index, given)])
+    actions = normalize_actions(norm, chunks - data["state"][index][:, None, :])
     patch = data["image"].shape[1] * image_size // data["image"].shape[1] // int(image_tokens ** 0.5)
     return Batch(rows, TrainPrefixAttention(lengths, bidir, prefix, torch.tensor(read)), torch.tensor(targets),
                  torch.tensor(actions, dtype=torch.float32),
-                 torch.tensor(patch_colours(data["image"][index], patch)))
+                 torch.tensor(patch_colours(data["image"][index], patch)),
+                 None if given is None else torch.tensor(given))
+
+
+def _goals(data: dict[str, np.ndarray], i: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The joint angles that touch sample i's named cube, and those of the scene's other cubes."""
+    layout = layout_of(data, i)
+    goals = [inverse_kinematics(touch_point(p)) for p in layout.positions]
+    target = int(data["target"][i])
+    return goals[target], goals[:target] + goals[target + 1:]

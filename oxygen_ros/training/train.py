@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from safetensors.torch import load_file, save_file
 
-from oxygen_ros.model.checkpoint import save_checkpoint
+from oxygen_ros.model.checkpoint import load_pi05, save_checkpoint
 from oxygen_ros.model.config import Pi05Config, preset
 from oxygen_ros.model.normalize import Normalizer
 from oxygen_ros.model.pi05 import Pi05
@@ -51,15 +51,31 @@ def init_weights(model: Pi05, seed: int) -> Pi05:
 
 def flow_matching_loss(model: Pi05, batch: Batch, gen: torch.Generator) -> torch.Tensor:
     """openpi's π0.5 loss: x_t = t * noise + (1 - t) * actions, the expert predicts noise - actions;
-    t ~ Beta(1.5, 1) * 0.999 + 0.001 (more weight on noisy times)."""
+    t ~ Beta(1.5, 1) * 0.999 + 0.001 (more weight on noisy times).
+
+    With `batch.given_rows` (prefix conditioning, training-time RTC, Black et al. 2025): each sample's first
+    given_rows rows are given clean at flow time 0 (as the engine gives the rows the robot plays while a
+    chunk computes: Pi05._sample_conditioned), and the loss is on the other rows only."""
     a = batch.actions
-    b = a.shape[0]
+    b, h = a.shape[:2]
     noise = torch.randn(a.shape, generator=gen)
     # Beta(1.5, 1) has CDF t^1.5: drawn by inversion from the batch's generator (resumable runs).
     t = torch.rand(b, generator=gen) ** (1 / 1.5) * 0.999 + 0.001
-    x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * a
-    v = model.denoise_step(x_t, t, TrainActionAttention(batch.attention, a.shape[1]))
-    return F.mse_loss(v, noise - a)
+    attn = TrainActionAttention(batch.attention, h)
+    if batch.given_rows is None:
+        x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * a
+        return F.mse_loss(model.denoise_step(x_t, t, attn), noise - a)
+    given = torch.arange(h)[None, :] < batch.given_rows[:, None]               # [B, H]
+    t_rows = torch.where(given, 0.0, t[:, None].expand(b, h))                  # given rows: x_t = actions
+    x_t = t_rows[..., None] * noise + (1 - t_rows[..., None]) * a
+    error = (model.denoise_step(x_t, t_rows, attn) - (noise - a)) ** 2
+    free = (~given)[..., None].float()
+    return (error * free).sum() / (free.sum() * a.shape[-1])
+
+
+# The action expert's parameters: what --train expert fine-tunes (the VLM, SigLIP and their K/V stay as they are).
+EXPERT_PARAMETERS = ("expert_layers.", "expert_norm.", "action_in_proj.", "action_out_proj.", "time_mlp_in.",
+                     "time_mlp_out.")
 
 
 class PatchColourProbe(nn.Module):
@@ -74,8 +90,15 @@ class PatchColourProbe(nn.Module):
         self.out = nn.Linear(width, classes)
 
 
-def losses(model: Pi05, batch: Batch, gen: torch.Generator, probe: PatchColourProbe | None = None):
-    """(flow matching, answer tokens, patch colours) losses of one batch."""
+def losses(model: Pi05, batch: Batch, gen: torch.Generator, probe: PatchColourProbe | None = None,
+           expert_only: bool = False):
+    """(flow matching, answer tokens, patch colours) losses of one batch. `expert_only`: the VLM is frozen,
+    its forward only gives the prefix K/V (no gradient) and the other two losses are zero."""
+    if expert_only:
+        with torch.no_grad():
+            model.prefill(batch.rows, batch.attention)
+        zero = torch.zeros(())
+        return flow_matching_loss(model, batch, gen), zero, zero
     features = {}
     if probe is not None:
         hook = model.vision.register_forward_hook(lambda _m, _i, out: features.setdefault("v", out))
@@ -105,19 +128,38 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int = 100,
 
 
 class Trainer:
+    """From scratch, or (`init`: a checkpoint directory) fine-tuning a trained model with its own norm stats;
+    `expert_only`: only EXPERT_PARAMETERS train (flow matching alone), so the VLM's K/V, answers and
+    captions stay bit for bit those of `init`. `prefix_delay_max`: prefix conditioning (flow_matching_loss)."""
+
     def __init__(self, cfg: Pi05Config, data: dict[str, np.ndarray], out: Path, batch_size: int, steps: int,
-                 lr: float, seed: int, log=print, restart: tuple[int, float] | None = None):
-        self.cfg, self.data, self.out, self.log = cfg, data, Path(out), log
-        self.restart = restart
+                 lr: float, seed: int, log=print, restart: tuple[int, float] | None = None,
+                 init: Path | None = None, expert_only: bool = False, prefix_delay_max: int = 0):
+        if expert_only and init is None:
+            raise ValueError("training the expert alone needs a trained model to start from (init)")
+        if prefix_delay_max < 0 or prefix_delay_max >= cfg.action_horizon:
+            raise ValueError(f"prefix_delay_max must be in 0..{cfg.action_horizon - 1}, got {prefix_delay_max}")
+        self.cfg = cfg.replace(prefix_conditioning=bool(prefix_delay_max) or cfg.prefix_conditioning)
+        self.data, self.out, self.log = data, Path(out), log
+        self.restart, self.expert_only, self.prefix_delay_max = restart, expert_only, prefix_delay_max
         self.batch_size, self.steps, self.lr, self.seed = batch_size, steps, lr, seed
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "norm_stats.json").write_text(json.dumps(norm_stats(data), indent=1))
+        stats = (json.loads((Path(init) / "norm_stats.json").read_text()) if init is not None
+                 else norm_stats(data))
+        (self.out / "norm_stats.json").write_text(json.dumps(stats, indent=1))
         self.norm = Normalizer.load(self.out / "norm_stats.json")
         self.tok = Tokenizer.tiny()
-        self.model = init_weights(Pi05(cfg), seed).train()
-        self.probe = PatchColourProbe(cfg.vision.width, 1 + len(COLOUR_NAMES))
-        self.opt = torch.optim.AdamW(list(self.model.parameters()) + list(self.probe.parameters()), lr=lr,
-                                     weight_decay=0.01, betas=(0.9, 0.95))
+        if init is None:
+            self.model = init_weights(Pi05(self.cfg), seed).train()
+        else:
+            self.model = load_pi05(Path(init), self.cfg).train()
+        self.probe = None if expert_only else PatchColourProbe(cfg.vision.width, 1 + len(COLOUR_NAMES))
+        if expert_only:
+            for name, p in self.model.named_parameters():
+                p.requires_grad_(name.startswith(EXPERT_PARAMETERS))
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        params += list(self.probe.parameters()) if self.probe is not None else []
+        self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
         self.step, self.history, self.elapsed = 0, [], 0.0
         self._resume()
 
@@ -132,7 +174,8 @@ class Trainer:
             return
         m = json.loads(meta.read_text())
         self.model.load_state_dict(load_file(str(self.state_dir / "model.safetensors")))
-        self.probe.load_state_dict(load_file(str(self.state_dir / "probe.safetensors")))
+        if self.probe is not None:
+            self.probe.load_state_dict(load_file(str(self.state_dir / "probe.safetensors")))
         self.opt.load_state_dict(torch.load(self.state_dir / "optimizer.pt", weights_only=True))
         self.step, self.history, self.elapsed = m["step"], m["history"], m["elapsed_s"]
         self.log(f"[train] resumed at step {self.step}")
@@ -140,6 +183,8 @@ class Trainer:
     def save_state(self) -> None:
         self.state_dir.mkdir(exist_ok=True)
         for name, module in (("model", self.model), ("probe", self.probe)):
+            if module is None:
+                continue
             save_file({k: v.contiguous() for k, v in module.state_dict().items()},
                       str(self.state_dir / f"{name}.safetensors"))
         torch.save(self.opt.state_dict(), self.state_dir / "optimizer.pt")
@@ -151,17 +196,17 @@ class Trainer:
         rng = np.random.default_rng([self.seed, step])
         index = rng.choice(len(self.data["image"]), size=self.batch_size, replace=False)
         b = make_batch(self.data, index, self.tok, self.norm, rng, self.cfg.vision.image_size,
-                       self.cfg.image_tokens, self.cfg.max_token_len)
+                       self.cfg.image_tokens, self.cfg.max_token_len, self.prefix_delay_max)
         return b, torch.Generator().manual_seed(self.seed * 1_000_003 + step)
 
     def train_step(self) -> tuple[float, float, float]:
         batch, gen = self.batch(self.step)
         for g in self.opt.param_groups:
             g["lr"] = learning_rate(self.step, self.steps, self.lr, restart=self.restart)
-        flow, text, colours = losses(self.model, batch, gen, self.probe)
+        flow, text, colours = losses(self.model, batch, gen, self.probe, self.expert_only)
         self.opt.zero_grad(set_to_none=True)
         (flow + text + colours).backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], 1.0)
         self.opt.step()
         self.step += 1
         return flow.item(), text.item(), colours.item()
@@ -190,8 +235,10 @@ class Trainer:
     def export(self) -> Path:
         """The trained weights as a checkpoint the engine loads (openpi names, safetensors)."""
         path = save_checkpoint(self.model.eval(), self.out)
-        (self.out / "config.json").write_text(json.dumps(
-            {"action_horizon": self.cfg.action_horizon, "action_dim": self.cfg.action_dim}))
+        config = {"action_horizon": self.cfg.action_horizon, "action_dim": self.cfg.action_dim}
+        if self.cfg.prefix_conditioning:
+            config["prefix_conditioning"] = True
+        (self.out / "config.json").write_text(json.dumps(config))
         (self.out / "losses.json").write_text(json.dumps(self.history, indent=0))
         return path
 
@@ -232,14 +279,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="from this step on (a resumed run), a fresh cosine from --restart-lr to a tenth of it at "
                         "--steps, instead of the first cosine stretched to the new --steps")
     p.add_argument("--restart-lr", type=float, default=None)
+    p.add_argument("--init", type=Path, default=None,
+                   help="fine-tune this checkpoint directory (model.safetensors, norm_stats.json) instead of "
+                        "training from scratch")
+    p.add_argument("--train", choices=("all", "expert"), default="all",
+                   help="expert: only the action expert trains (flow matching; needs --init): the VLM's answers "
+                        "and captions stay those of --init")
+    p.add_argument("--prefix-delay-max", type=int, default=0,
+                   help="prefix conditioning (training-time RTC): each sample's first 0..N rows given clean, "
+                        "the loss on the others; the checkpoint then serves rtc_correction prefix")
     a = p.parse_args(argv)
     if (a.restart_at is None) != (a.restart_lr is None):
         p.error("--restart-at and --restart-lr go together")
+    if a.train == "expert" and a.init is None:
+        p.error("--train expert needs --init (a trained model to start from)")
     torch.set_num_threads(a.threads)
     cfg = preset("demo")
     paths = datagen.generate(a.data, a.samples, a.seed, cfg.vision.image_size, cfg.action_horizon)
     restart = None if a.restart_at is None else (a.restart_at, a.restart_lr)
-    trainer = Trainer(cfg, datagen.load(paths), a.out, a.batch, a.steps, a.lr, a.seed, restart=restart)
+    trainer = Trainer(cfg, datagen.load(paths), a.out, a.batch, a.steps, a.lr, a.seed, restart=restart,
+                      init=a.init, expert_only=a.train == "expert", prefix_delay_max=a.prefix_delay_max)
     plot_losses(trainer.run(until=a.until), a.out / "losses.png")
     print(trainer.export())
     return 0

@@ -52,6 +52,9 @@ class ChunkResult:
     rtc_delay_rows: int | None = None   # RTC: the delay it was guided with (None: plain denoising)
 
 
+PREFIX_UNTRAINED = ("rtc_correction 'prefix' needs a checkpoint trained with prefix conditioning (its config.json "
+                    "says \"prefix_conditioning\": true; oxygen_ros.training.train --prefix-delay-max); this model "
+                    "was not: use error or vjp")
 LATENCY_WINDOW = 8      # chunks of a robot whose measured latency predicts its next RTC delay
 
 
@@ -72,6 +75,11 @@ class ActionsTask:
         self._played: dict[str, _Played] = {}
         self._latency: dict[str, collections.deque] = {}   # per robot, recent cycle start -> chunk ready (s)
         self._unguided: set[str] = set()                   # robots added without RTC (set_rtc)
+        # Replay (record/replay.py): the delay each recorded chunk was made with, for the next cycle's chunks
+        # (0: plain), instead of the one predicted from this process's timing.
+        self.replayed_delay: int | None = None
+        if config.rtc and config.rtc_correction == "prefix" and not runner.cfg.prefix_conditioning:
+            raise ValueError(PREFIX_UNTRAINED)
 
     def chunks(self, frames: list[Frame], start: float,
                faults: list[tuple[Frame, str]]) -> list[tuple[Frame, ChunkResult]]:
@@ -129,12 +137,17 @@ class ActionsTask:
                 return None, None               # its robot_actions refuses this state: the frame's fault
             leftover[:, delta] += (played.model_state[delta] - state[delta]) / slope[delta]
         pinned = delay + self.config.rtc_margin_rows
-        guide = rtc.row_guide(torch.as_tensor(leftover), pinned, self.config.rtc_execution_horizon or horizon,
-                              horizon, dim, self.config.rtc_schedule)
+        if self.config.rtc_correction == "prefix":   # the pinned rows only: the model hands over by itself
+            guide = rtc.row_guide(torch.as_tensor(leftover), pinned, horizon, horizon, dim, "zeros")
+        else:
+            guide = rtc.row_guide(torch.as_tensor(leftover), pinned, self.config.rtc_execution_horizon or horizon,
+                                  horizon, dim, self.config.rtc_schedule)
         return (guide, delay) if guide.active else (None, None)
 
     def delay_rows(self, f: Frame, start: float) -> int:
         """Rows of the playing chunk that play before this frame's chunk takes over (module docstring)."""
+        if self.replayed_delay is not None:
+            return self.replayed_delay
         if self.config.rtc_delay_rows is not None:
             return self.config.rtc_delay_rows
         step_s = self._step_s(f)
