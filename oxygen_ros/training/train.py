@@ -7,6 +7,9 @@ Seeded (batch k is drawn from seed (seed, k): a resumed run sees the batches it 
 progress, saves its state every `--save-every` steps and resumes from it. At the end the weights go to
 OUT/model.safetensors (openpi layout, loaded by the engine's strict loader) with OUT/norm_stats.json,
 OUT/config.json and OUT/losses.json.
+
+Or fine-tune trained weights: `--init DIR --train expert --prefix-delay-max 10` trains only the action
+expert, with prefix conditioning (training-time real-time chunking; the shipped demo_rtc, docs/rtc.md).
 """
 from __future__ import annotations
 
