@@ -125,6 +125,26 @@ def test_execution_decides_how_a_new_chunk_takes_over(publisher, execution, blen
     assert node.last_status == statuses[-1]
 
 
+def test_enabling_the_output_restarts_real_time_chunking(publisher, obs):
+    """While the output is off the robot plays nothing, so the chunks the engine delivered meanwhile lead
+    where it is not: the first chunk after /oxygen/enable true is plain (from the robot's state), RTC
+    continues from there."""
+    node = publisher(execution="rtc", engine_config=dict(rtc=True, rtc_delay_rows=1))
+
+    def delay_of_next_chunk(i):
+        observation = obs(i)
+        observation.stamp_s = i * DT                   # a row after the last: the delivered chunk covers it
+        node.engine.run_cycle(observation)
+        return node.engine.latest_chunk().rtc_delay_rows
+    assert [delay_of_next_chunk(i) for i in range(2)] == [None, 1]
+    node.set_enabled(False)
+    assert delay_of_next_chunk(2) == 1                 # the engine still continues what it delivered...
+    node.set_enabled(True)
+    assert [delay_of_next_chunk(i) for i in (3, 4)] == [None, 1]      # ...until the output is back on
+    node.set_enabled(True)                             # already on: nothing restarts
+    assert delay_of_next_chunk(5) == 1
+
+
 def test_execution_settings_are_refused_together(ros, engine_factory):
     from oxygen_ros.nodes.action_publisher import ActionPublisher
     from oxygen_ros.nodes.params import ParameterError

@@ -156,10 +156,13 @@ class ActionPublisher(Node):
         self.set_enabled(False)
 
     def set_enabled(self, enabled: bool) -> None:
-        """Disabling waits for a tick in progress, then sends the final stop: no command follows it."""
+        """Disabling waits for a tick in progress, then sends the final stop: no command follows it.
+        Enabling restarts real-time chunking: the chunks delivered meanwhile were not played."""
         with self._output_lock:
             if self.enabled and not enabled:
                 self._send_stop(self._now())
+            if enabled and not self.enabled:
+                self.engine.actions.restart(self.robot)
             self.enabled = enabled and not self._shut_down
         self.get_logger().info("action output " + ("enabled" if self.enabled else "disabled"))
 

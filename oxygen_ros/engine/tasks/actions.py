@@ -19,8 +19,8 @@ guided (model/rtc.py) toward that chunk's rows for the same times:
   rows the new chunk plays: the guidance does not make a guided row equal to its target (92% of the way
   with LeRobot's correction at 10 steps; docs/rtc.md), so pinning only the d rows that never play from the
   new chunk leaves a step at the take-over;
-- no guidance (plain denoising, bit for bit) without a playing chunk, when it has no row left for the new
-  chunk, when d is 0 (nothing plays while the chunk computes), or for a robot added without RTC (a socket
+- no guidance (plain denoising, bit for bit) without a playing chunk (also after `restart`: the robot's
+  output was off, its publisher says so on enabling), when it has no row left for the new chunk, when d is 0 (nothing plays while the chunk computes), or for a robot added without RTC (a socket
   client plays each chunk open-loop for its own number of rows, not the newest chunk at once).
 """
 from __future__ import annotations
@@ -166,6 +166,11 @@ class ActionsTask:
         self._played[f.robot] = _Played(chunk, f.preparer.io.model_state(f.prepared.state))
         self._latency.setdefault(f.robot, collections.deque(maxlen=LATENCY_WINDOW)).append(chunk.compute_s)
         self.notify(chunk)
+
+    def restart(self, robot: str) -> None:
+        """The robot has not been playing its chunks (its output was off): RTC must not continue them, the
+        robot is not where they lead. Its next chunk is plain, from its state; RTC resumes after it."""
+        self._played.pop(robot, None)
 
     def forget(self, robot: str | None = None) -> None:
         """Drop a robot's latest chunk (every robot's: the safe stop, which keeps their RTC settings), so that
