@@ -205,6 +205,19 @@ def test_fine_tuning_the_expert_keeps_the_vlm_and_records_prefix_conditioning(sm
         Trainer(CFG, small_dataset, tmp_path / "x", batch_size=8, steps=1, lr=1e-3, seed=1, expert_only=True)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--train", "expert"], "--train expert needs --init"),
+    (["--init", "/nonexistent", "--train", "expert"], "no model.safetensors or norm_stats.json there"),
+    (["--prefix-delay-max", "20"], "must be in 0..19"),
+])
+def test_fine_tuning_options_are_checked_before_any_work(argv, message, capsys):
+    from oxygen_ros.training.train import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_the_shipped_rtc_weights_continue_the_given_rows_and_still_turn_to_the_named_cube():
     """demo_rtc, the demo model fine-tuned with prefix conditioning (docs/rtc.md): given the first 6 rows
     of its own plain chunk, it continues them as planned; given 6 rows of the expert's plan toward another

@@ -296,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--restart-at and --restart-lr go together")
     if a.train == "expert" and a.init is None:
         p.error("--train expert needs --init (a trained model to start from)")
+    horizon = preset("demo").action_horizon
+    if not 0 <= a.prefix_delay_max < horizon:
+        p.error(f"--prefix-delay-max {a.prefix_delay_max} must be in 0..{horizon - 1} (rows of a {horizon}-row chunk)")
+    missing = [f for f in ("model.safetensors", "norm_stats.json") if a.init is not None and not (a.init / f).is_file()]
+    if missing:
+        p.error(f"--init {a.init}: no {' or '.join(missing)} there")
     torch.set_num_threads(a.threads)
     cfg = preset("demo")
     paths = datagen.generate(a.data, a.samples, a.seed, cfg.vision.image_size, cfg.action_horizon)
