@@ -543,7 +543,10 @@ def execution_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         p.error(f"--delay-ticks must be comma-separated integers, got {a.delay_ticks!r}")
     executions = tuple((a.execution or ",".join(EXECUTIONS)).split(","))
     problems = [f"--execution {e!r} is not one of {', '.join(EXECUTIONS)}" for e in executions if e not in EXECUTIONS]
-    cfg = demo_model_config(Path(a.checkpoint or demo_checkpoint()))
+    try:
+        cfg = demo_model_config(Path(a.checkpoint or demo_checkpoint()))
+    except ValueError as e:         # a checkpoint's config.json that says something unreadable
+        p.error(str(e))
     if not a.ros:
         problems += delay_problems(delays, a.replan, cfg.action_horizon)
     if a.rtc_correction == "prefix" and "rtc" in executions and not cfg.prefix_conditioning:
