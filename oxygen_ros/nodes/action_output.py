@@ -81,8 +81,7 @@ def trajectory_message(plan: ActionChunkPlan, actions: np.ndarray, now_s: float,
     return msg
 
 
-def chunk_message(plan: ActionChunkPlan, names: list[str], compute_latency_s: float,
-                  rtc_delay_rows: int | None = None):
+def chunk_message(plan: ActionChunkPlan, names: list[str], compute_latency_s: float, rtc_delay_rows: int | None):
     from oxygen_interfaces.msg import ActionChunk
 
     msg = ActionChunk(frame_index=plan.frame_index, horizon=plan.horizon, dim=plan.actions.shape[1],

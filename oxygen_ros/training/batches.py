@@ -133,7 +133,7 @@ def make_batch(data: dict[str, np.ndarray], index: np.ndarray, tok: Tokenizer, n
         given = rng.integers(0, prefix_delay_max + 1, size=len(index))
         chunks = np.stack([conditioned_chunk(data["state"][i].astype(np.float64), *_goals(data, i), int(d),
                                              chunks.shape[1], rng) for i, d in zip(index, given)])
-    actions = normalize_actions(norm, chunks - data["state"][index][:, None, :])
+    actions = normalize_actions(norm, action_deltas({"chunk": chunks, "state": data["state"][index]}))
     patch = data["image"].shape[1] * image_size // data["image"].shape[1] // int(image_tokens ** 0.5)
     return Batch(rows, TrainPrefixAttention(lengths, bidir, prefix, torch.tensor(read)), torch.tensor(targets),
                  torch.tensor(actions, dtype=torch.float32),

@@ -20,8 +20,9 @@ guided (model/rtc.py) toward that chunk's rows for the same times:
   with LeRobot's correction at 10 steps; docs/rtc.md), so pinning only the d rows that never play from the
   new chunk leaves a step at the take-over;
 - no guidance (plain denoising, bit for bit) without a playing chunk (also after `restart`: the robot's
-  output was off, its publisher says so on enabling), when it has no row left for the new chunk, when d is 0 (nothing plays while the chunk computes), or for a robot added without RTC (a socket
-  client plays each chunk open-loop for its own number of rows, not the newest chunk at once).
+  output was off, its publisher says so on enabling), when it has no row left for the new chunk, when d is
+  0 (nothing plays while the chunk computes), or for a robot added without RTC (a socket client plays each
+  chunk open-loop for its own number of rows, not the newest chunk at once).
 """
 from __future__ import annotations
 
@@ -137,11 +138,10 @@ class ActionsTask:
                 return None, None               # its robot_actions refuses this state: the frame's fault
             leftover[:, delta] += (played.model_state[delta] - state[delta]) / slope[delta]
         pinned = delay + self.config.rtc_margin_rows
-        if self.config.rtc_correction == "prefix":   # the pinned rows only: the model hands over by itself
-            guide = rtc.row_guide(torch.as_tensor(leftover), pinned, horizon, horizon, dim, "zeros")
-        else:
-            guide = rtc.row_guide(torch.as_tensor(leftover), pinned, self.config.rtc_execution_horizon or horizon,
-                                  horizon, dim, self.config.rtc_schedule)
+        # prefix conditioning takes the pinned rows only (the model hands over by itself): no soft rows
+        end, schedule = ((horizon, "zeros") if self.config.rtc_correction == "prefix" else
+                         (self.config.rtc_execution_horizon or horizon, self.config.rtc_schedule))
+        guide = rtc.row_guide(torch.as_tensor(leftover), pinned, end, horizon, dim, schedule)
         return (guide, delay) if guide.active else (None, None)
 
     def delay_rows(self, f: Frame, start: float) -> int:
