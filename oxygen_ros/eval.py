@@ -280,6 +280,7 @@ class DelayedEpisode:
     blending: np.ndarray        # [T] bool: a mixture of two chunks (execution blend)
     switches: list              # ticks at which a chunk took over from another chunk
     rtc_delays: list            # per chunk, the delay RTC guided it with (None: plain)
+    closest: float = float("nan")   # m: the tip's closest approach to the named cube's touch point
 
 
 def run_delayed_episode(scene: ReachScene, layout: Layout, target: int, planner: DelayedEngine, prompt: str,
@@ -294,9 +295,11 @@ def run_delayed_episode(scene: ReachScene, layout: Layout, target: int, planner:
     pending: list[tuple[int, ChunkResult]] = []
     commands, chunk_of_tick, blending, switches, delays = [], [], [], [], []
 
+    closest = scene.distance_to(target)
+
     def outcome(success: bool, ticks: int) -> DelayedEpisode:
         return DelayedEpisode(success, ticks, np.array(commands), np.array(chunk_of_tick), np.array(blending),
-                              switches, delays)
+                              switches, delays, closest)
 
     for k in range(steps):
         if pending and pending[0][0] == k:
@@ -317,6 +320,7 @@ def run_delayed_episode(scene: ReachScene, layout: Layout, target: int, planner:
         chunk_of_tick.append(cmd.frame_index)
         blending.append(cmd.status == "blending")
         scene.step(action)
+        closest = min(closest, scene.distance_to(target))
         if scene.touching() == target:
             return outcome(True, k + 1)
     return outcome(False, steps)
@@ -361,7 +365,23 @@ def execution_summary(episodes: list[DelayedEpisode]) -> dict:
         "mean_steps_to_touch": float(np.mean(ok)) if ok else None,
         "switches": int(sum(len(ep.switches) for ep in episodes)),
         "rtc_guided_chunks": int(sum(d is not None for ep in episodes for d in ep.rtc_delays)),
+        # How far each miss stayed from touching: near misses (0-2 cm) are the model's aim, not the execution.
+        "misses_closest_cm": sorted(round(ep.closest * 100, 1) for ep in episodes if not ep.success),
     }
+
+
+def paired_comparison(these: list[DelayedEpisode], naive: list[DelayedEpisode]) -> dict:
+    """Success of an execution against naive's on the same episodes (same scenes, noise and delay): the
+    episodes only one of them touched decide the difference. `ci95`: the Wald interval of a difference of
+    paired proportions, (b - c) / n +- 1.96 sqrt(b + c - (b - c)^2 / n) / n (b: only this execution
+    touched, c: only naive), for non-inferiority: "not below naive by more than x" where x = -ci95[0]."""
+    this_ok = np.array([ep.success for ep in these])
+    naive_ok = np.array([ep.success for ep in naive])
+    n, b, c = len(this_ok), int((this_ok & ~naive_ok).sum()), int((naive_ok & ~this_ok).sum())
+    diff = (b - c) / n
+    half = 1.96 * np.sqrt(max(b + c - (b - c) ** 2 / n, 0.0)) / n
+    return {"episodes": n, "only_this": b, "only_naive": c, "both": int((this_ok & naive_ok).sum()),
+            "difference": diff, "ci95": [diff - half, diff + half]}
 
 
 def delay_problems(delays, replan: int, horizon: int) -> list[str]:
@@ -374,12 +394,15 @@ def delay_problems(delays, replan: int, horizon: int) -> list[str]:
     return out
 
 
-def evaluate_execution(episodes: int, seed: int = 1000, steps: int = 210, replan: int = 10,
+def evaluate_execution(episodes: int, seed: int | tuple[int, ...] = 1000, steps: int = 210, replan: int = 10,
                        delays=EXECUTION_DELAYS, executions=EXECUTIONS, blend_steps: int = 5,
                        settings: RtcSettings = RtcSettings(), checkpoint: Path | None = None,
                        traces: dict | None = None, log=print) -> dict:
-    """Every (execution, delay) on the same seeded episodes and chunk noise as `evaluate`. `traces`: filled
-    with the first episode's DelayedEpisode per (execution, delay) (scripts/rtc_switch_plot.py)."""
+    """Every (execution, delay) on the same seeded episodes and chunk noise as `evaluate`: `episodes` of each
+    seed (several seeds pool their episodes). `traces`: filled with the first episode's DelayedEpisode per
+    (execution, delay) (scripts/rtc_switch_plot.py). Every execution but naive is also compared with naive
+    at the same delay, episode by episode (`vs_naive`, paired_comparison)."""
+    seeds = (seed,) if isinstance(seed, int) else tuple(seed)
     checkpoint = Path(checkpoint or demo_checkpoint())
     cfg = demo_model_config(checkpoint)
     problems = delay_problems(delays, replan, cfg.action_horizon)
@@ -391,28 +414,37 @@ def evaluate_execution(episodes: int, seed: int = 1000, steps: int = 210, replan
     scene = ReachScene(cfg.vision.image_size)
     results = {(e, d): [] for e in executions for d in delays}
     start = time.monotonic()
-    for ep in range(episodes):
-        rng = np.random.default_rng([seed, ep])             # as `evaluate` draws episode ep
-        layout = Layout.random(rng)
-        target = int(rng.integers(len(layout.colours)))
-        prompt = task_prompt(layout.colours[target])
-        noise_seed = int(rng.integers(2**31))
-        for (e, d), rs in results.items():
-            rs.append(run_delayed_episode(scene, layout, target, engines[(e, d)], prompt, noise_seed, steps, replan,
-                                          d, e, blend_steps))
-            if traces is not None and ep == 0:
-                traces[(e, d)] = rs[-1]
-        log(f"[eval execution] episode {ep + 1}/{episodes}: {prompt!r} "
-            + " ".join(f"{e}@{d}={'ok' if rs[-1].success else 'FAIL'}" for (e, d), rs in results.items()))
+    for seed_ in seeds:
+        for ep in range(episodes):
+            rng = np.random.default_rng([seed_, ep])             # as `evaluate` draws episode ep
+            layout = Layout.random(rng)
+            target = int(rng.integers(len(layout.colours)))
+            prompt = task_prompt(layout.colours[target])
+            noise_seed = int(rng.integers(2**31))
+            for (e, d), rs in results.items():
+                rs.append(run_delayed_episode(scene, layout, target, engines[(e, d)], prompt, noise_seed, steps,
+                                              replan, d, e, blend_steps))
+                if traces is not None and seed_ == seeds[0] and ep == 0:
+                    traces[(e, d)] = rs[-1]
+            log(f"[eval execution] seed {seed_} episode {ep + 1}/{episodes}: {prompt!r} "
+                + " ".join(f"{e}@{d}={'ok' if rs[-1].success else 'FAIL'}" for (e, d), rs in results.items()))
     scene.close()
+
+    def summary(e: str, d: int) -> dict:
+        out = execution_summary(results[(e, d)])
+        if e != "naive" and ("naive", d) in results:
+            out["vs_naive"] = paired_comparison(results[(e, d)], results[("naive", d)])
+        return out
+
     return {
-        "episodes": episodes, "seed": seed, "steps": steps, "replan": replan, "control_hz": 70,
+        "episodes": episodes * len(seeds), "seed": seeds[0] if len(seeds) == 1 else list(seeds),
+        "steps": steps, "replan": replan, "control_hz": 70,
         "blend_steps": blend_steps, "checkpoint": checkpoint.name,
         "rtc": {"schedule": settings.schedule, "max_guidance": settings.max_guidance,
                 "execution_horizon": settings.execution_horizon,
                 "weights_end_row": min(settings.execution_horizon or cfg.action_horizon, cfg.action_horizon - replan),
                 "correction": settings.correction, "margin_rows": settings.margin_rows},
-        "execution": {e: {str(d): execution_summary(results[(e, d)]) for d in delays} for e in executions},
+        "execution": {e: {str(d): summary(e, d) for d in delays} for e in executions},
         "jerk_unit": "rad per tick^3 (mean over joints of |third difference| of commanded positions)",
         "wall_s": round(time.monotonic() - start, 1),
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread",
@@ -565,7 +597,7 @@ def execution_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     if a.ros:
         out = evaluate_ros(a.episodes, a.seed, a.steps, a.checkpoint, execution=executions[0], settings=settings)
     else:
-        out = evaluate_execution(a.episodes, a.seed, a.steps, a.replan, delays, executions, a.blend_steps,
+        out = evaluate_execution(a.episodes, a.seeds, a.steps, a.replan, delays, executions, a.blend_steps,
                                  settings, a.checkpoint)
     text = json.dumps(out, indent=1)
     if a.json:
@@ -577,7 +609,8 @@ def execution_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Evaluate the demo model closed-loop in MuJoCo through the engine.")
     p.add_argument("--episodes", type=int, default=50)
-    p.add_argument("--seed", type=int, default=1000, help="episode seeds (training data uses 0)")
+    p.add_argument("--seed", default="1000", help="episode seeds (training data uses 0); comma-separated seeds "
+                   "pool --episodes of each (in-process --execution only)")
     p.add_argument("--steps", type=int, default=210, help="control ticks per episode (70 Hz)")
     p.add_argument("--replan", type=int, default=10, help="ticks executed from each chunk")
     p.add_argument("--policies", default=",".join(POLICIES))
@@ -590,6 +623,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--openpi", action="store_true",
                    help="through oxygen_serve --robot demo and openpi-client's Runtime (serve/eval_openpi.py)")
     a = p.parse_args(argv)
+    try:
+        a.seeds = tuple(int(x) for x in a.seed.split(","))
+    except ValueError:
+        p.error(f"--seed must be an integer or comma-separated integers, got {a.seed!r}")
+    a.seed = a.seeds[0]
+    if len(a.seeds) > 1 and (a.ros or a.openpi or (a.delay_ticks is None and a.execution is None)):
+        p.error("several --seed values pool episodes in the in-process --execution evaluation only")
     if a.episodes < 1 or a.steps < 1 or a.replan < 1:
         p.error(f"--episodes {a.episodes}, --steps {a.steps} and --replan {a.replan} must be positive")
     if a.openpi and (a.ros or a.delay_ticks is not None or a.execution is not None):

@@ -31,7 +31,7 @@ def test_field_names_and_types():
     assert ActionChunk.get_fields_and_field_types() == {
         "header": "std_msgs/Header", "frame_index": "uint64", "horizon": "uint32", "dim": "uint32",
         "step_period_s": "double", "actions": "sequence<double>", "names": "sequence<string>",
-        "compute_latency_s": "double", "rtc_delay_rows": "uint32",
+        "compute_latency_s": "double", "rtc_delay_rows": "uint32", "model_actions": "sequence<float>",
     }
     assert Caption.get_fields_and_field_types() == {
         "header": "std_msgs/Header", "frame_index": "uint64", "prompt": "string", "text": "string",

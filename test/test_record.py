@@ -6,6 +6,7 @@ import collections
 import json
 import time
 
+import numpy as np
 import pytest
 from mcap.reader import make_reader
 from mcap_ros2.decoder import DecoderFactory
@@ -328,9 +329,10 @@ def test_a_flush_bounds_what_a_crash_loses(tmp_path):
 # ------------------------------------------------------------------ replay with real-time chunking
 def test_a_recording_with_real_time_chunking_replays_bitwise(tmp_path):
     """With `rtc` on, each chunk continues the chunk delivered before it, with a delay predicted from the
-    run's timing: the chunk message records that delay and replay recomputes each chunk with it, bit for
-    bit. A wrong recorded delay gives another chunk (the delays matter); a recording that begins with chunks
-    continuing an unrecorded one (its first file rotated away) skips them up to the first plain chunk."""
+    run's timing: the chunk message records that delay and the model's chunk, and replay recomputes each
+    chunk with the recorded delay after restoring the recorded chunk before it, bit for bit. A wrong
+    recorded delay gives another chunk, that one only (each chunk is checked from what was recorded); a
+    recording whose first file rotated away skips only the chunk that continued an unrecorded one."""
     import rclpy
     from rclpy.context import Context
     from rclpy.parameter import Parameter
@@ -353,7 +355,7 @@ def test_a_recording_with_real_time_chunking_replays_bitwise(tmp_path):
             obs = make_observation(i)
             ns = round(i * 2e9 / 70)                 # two rows of the 70 Hz chunk apart: each continues the last
             obs.stamp_s = ns // 10**9 + (ns % 10**9) * 1e-9     # as the observation node reads a header
-            if i == 6:
+            if i == 8:
                 engine.actions.forget()              # the safe stop: nothing to continue, a plain chunk
             engine.run_cycle(obs)
     finally:
@@ -362,27 +364,36 @@ def test_a_recording_with_real_time_chunking_replays_bitwise(tmp_path):
         rclpy.shutdown(context=context)
     rec = read_recording([str(tmp_path)])
     delays = [f.rtc_delay_rows for f in rec.frames]
-    assert len(delays) == 12 and delays[0] is None and delays[6] is None
-    assert all(d is not None and d >= 1 for d in delays[1:6] + delays[7:]), delays
+    assert len(delays) == 12 and delays[0] is None and delays[8] is None
+    assert all(d is not None and d >= 1 for d in delays[1:8] + delays[9:]), delays
+    assert [f.continues.index if f.continues else None for f in rec.frames] == [
+        None, 0, 1, 2, 3, 4, 5, 6, None, 8, 9, 10]
+    assert all(f.continues.model_actions.dtype == np.float32 for f in rec.frames if f.continues)
     report = replay(rec)
     assert report["identical"] and report["chunks_identical"] == 12, summary(report)
 
     rec = read_recording([str(tmp_path)])
-    rec.frames[3].rtc_delay_rows += 2                # recorded with another delay: another chunk from there
+    d = rec.frames[3].rtc_delay_rows                 # recorded with another delay: another chunk, that one only
+    rec.frames[3].rtc_delay_rows = 1 if d > 2 else d + 2     # (a delay past the playing chunk's rows pins them all)
     report = replay(rec)
-    assert [d["frame"] for d in report["chunks_different"]][:1] == [rec.frames[3].index], summary(report)
+    assert [d["frame"] for d in report["chunks_different"]] == [rec.frames[3].index], summary(report)
+    rec = read_recording([str(tmp_path)])
+    rec.frames[3].continues.model_actions[:] += 0.1     # it continued another chunk: another chunk
+    assert [d["frame"] for d in replay(rec)["chunks_different"]] == [rec.frames[3].index]
 
     files = sorted(tmp_path.glob("*.mcap"), key=lambda f: int(f.stem.rsplit("_", 1)[1]))
     first_file_frames = {i for topic, _, data in read_file(files[0]).messages if topic == "/oxygen/action_chunk"
                          for i in [deserialize_message(data, ActionChunk).frame_index]}
     assert len(files) > 2 and 0 < max(first_file_frames) < 5, (files, first_file_frames)
-    files[0].unlink()                                # rotated away: the next chunks continued an unrecorded one
+    files[0].unlink()                                # rotated away: the next chunk continued an unrecorded one
     rec = read_recording([str(tmp_path)])
-    skipped = rec.skipped["rtc_continues_unrecorded"]         # (a chunk whose observation went too: no_observation)
-    assert skipped >= 1 and skipped + rec.skipped["no_observation"] == 5 - max(first_file_frames), rec.skipped
-    assert [f.index for f in rec.frames] == list(range(6, 12)) and rec.frames[0].rtc_delay_rows is None
+    first = rec.frames[0].index                      # the first whose predecessor (chunk and observation) is there
+    lost = rec.skipped["rtc_continues_unrecorded"] + rec.skipped["no_observation"]
+    assert rec.skipped["rtc_continues_unrecorded"] == 1 and lost <= 2, rec.skipped
+    assert first == max(first_file_frames) + 1 + lost and first < 8, (first, rec.skipped)
+    assert [f.index for f in rec.frames] == list(range(first, 12)) and rec.frames[0].rtc_delay_rows is not None
     report = replay(rec)
-    assert report["identical"] and report["chunks_identical"] == 6, summary(report)
+    assert report["identical"] and report["chunks_identical"] == 12 - first, summary(report)
 
 
 # ------------------------------------------------------------------ replay of killed, broken and hostile files
@@ -471,7 +482,7 @@ def hostile(path, messages=(), metadata=TINY, schema_names=None):
     return path
 
 
-def frame_messages(image_data=None, horizon=5, dim=7, values=None):
+def frame_messages(image_data=None, horizon=5, dim=7, values=None, model_values=()):
     """One frame as the recorder writes it: a camera image, the state, the chunk."""
     import cv2
     import numpy as np
@@ -486,7 +497,7 @@ def frame_messages(image_data=None, horizon=5, dim=7, values=None):
     state = JointState(position=[0.0] * 8)
     state.header.stamp.sec = 100
     chunk = ActionChunk(frame_index=1, horizon=horizon, dim=dim,
-                        actions=values if values is not None else [0.0] * (horizon * dim))
+                        actions=values if values is not None else [0.0] * (horizon * dim), model_actions=model_values)
     chunk.header.stamp.sec = 100
     return [("/oxygen/observation/prompt", String(data="pick up the cup")),
             ("/oxygen/observation/base_0_rgb/compressed", image), ("/oxygen/observation/state", state),
@@ -513,7 +524,7 @@ def huge_png_header() -> bytes:
             + chunk(b"IEND", b""))
 
 
-@pytest.mark.parametrize("case", ["truncated", "wrong_shape", "huge_image", "huge_pool", "huge_record",
+@pytest.mark.parametrize("case", ["truncated", "wrong_shape", "wrong_model_shape", "huge_image", "huge_pool", "huge_record",
                                   "chunk_bomb", "bad_metadata", "not_mcap"])
 def test_a_hostile_recording_gives_one_line(case, tmp_path, capsys):
     import struct
@@ -522,6 +533,7 @@ def test_a_hostile_recording_gives_one_line(case, tmp_path, capsys):
     expected = {
         "truncated": "not an oxygen_ros recording",
         "wrong_shape": "has 5 values for horizon 1000 x dim 1000",
+        "wrong_model_shape": "has 7 model action values, not a multiple of its horizon 5",
         "huge_image": "size 12000x12000 exceeds the limit",
         "huge_pool": "kv_budget_mb = 102400: more than the cpu memory free now",
         "huge_record": "not an oxygen_ros recording",
@@ -534,6 +546,8 @@ def test_a_hostile_recording_gives_one_line(case, tmp_path, capsys):
         path.write_bytes(data[:40])
     elif case == "wrong_shape":
         hostile(path, frame_messages(horizon=1000, dim=1000, values=[0.0] * 5))
+    elif case == "wrong_model_shape":
+        hostile(path, frame_messages(model_values=[0.0] * 7))
     elif case == "huge_image":
         hostile(path, frame_messages(image_data=huge_png_header()))
     elif case == "huge_pool":

@@ -390,6 +390,26 @@ def test_jerk_windows_boundary_and_within():
     assert summary["rtc_guided_chunks"] == 1
 
 
+def test_paired_comparison_counts_the_episodes_only_one_execution_touched():
+    """RTC against naive on the same episodes: only the discordant episodes move the difference; the 95%
+    interval is the Wald interval of paired proportions (worked by hand: n = 10, b = 3, c = 1)."""
+    from oxygen_ros.eval import DelayedEpisode, paired_comparison
+
+    def episodes(successes):
+        return [DelayedEpisode(s, 1, np.zeros((1, 3)), np.zeros(1, int), np.zeros(1, bool), [], [], 0.03)
+                for s in successes]
+
+    rtc_ok = [1, 1, 1, 1, 1, 1, 1, 0, 0, 0]
+    naive_ok = [1, 1, 1, 1, 0, 0, 0, 1, 0, 0]
+    out = paired_comparison(episodes(map(bool, rtc_ok)), episodes(map(bool, naive_ok)))
+    assert (out["episodes"], out["only_this"], out["only_naive"], out["both"]) == (10, 3, 1, 4)
+    half = 1.96 * np.sqrt(3 + 1 - (3 - 1) ** 2 / 10) / 10          # 0.3719
+    assert out["difference"] == pytest.approx(0.2)
+    assert out["ci95"] == pytest.approx([0.2 - half, 0.2 + half], abs=1e-12)
+    same = paired_comparison(episodes([True, False]), episodes([True, False]))
+    assert same["difference"] == 0 and same["ci95"] == [0, 0]
+
+
 def test_rtc_at_no_delay_is_naive_and_guides_later_chunks():
     """In the demo, through the engine: at d = 0 nothing plays while a chunk computes, so RTC adds nothing
     (identical commands); at d = 6 the first chunk (nothing to continue) is the same, the later ones are
@@ -397,8 +417,13 @@ def test_rtc_at_no_delay_is_naive_and_guides_later_chunks():
     from oxygen_ros.eval import evaluate_execution
 
     traces = {}
-    evaluate_execution(1, seed=7000, steps=40, delays=(0, 6), executions=("naive", "rtc"), traces=traces,
-                       log=lambda *_: None)
+    out = evaluate_execution(1, seed=7000, steps=40, delays=(0, 6), executions=("naive", "rtc"), traces=traces,
+                             log=lambda *_: None)
+    assert out["execution"]["rtc"]["0"]["vs_naive"]["only_this"] == out["execution"]["rtc"]["0"]["vs_naive"][
+        "only_naive"] == 0 and "vs_naive" not in out["execution"]["naive"]["0"]
+    for trace in traces.values():       # 40 ticks: too short to touch; the closest approach is recorded
+        assert not trace.success and 0.04 < trace.closest < 0.5
+    assert out["execution"]["naive"]["6"]["misses_closest_cm"] == [round(traces[("naive", 6)].closest * 100, 1)]
     assert np.array_equal(traces[("naive", 0)].commands, traces[("rtc", 0)].commands)
     assert traces[("rtc", 0)].rtc_delays == [None] * 4
     naive, guided = traces[("naive", 6)], traces[("rtc", 6)]
@@ -406,6 +431,23 @@ def test_rtc_at_no_delay_is_naive_and_guides_later_chunks():
     assert np.array_equal(naive.commands[:first_switch], guided.commands[:first_switch])
     assert np.abs(naive.commands[first_switch:] - guided.commands[first_switch:]).max() > 1e-3
     assert naive.rtc_delays == [None] * 4 and guided.rtc_delays == [None, 6, 6, 6]
+
+
+def test_several_seeds_pool_their_episodes():
+    """`--seed 7000,7001`: the episodes of each seed in turn, each as its own seed draws it."""
+    from oxygen_ros.eval import evaluate_execution
+
+    def run(seed):
+        traces = {}
+        out = evaluate_execution(1, seed=seed, steps=12, delays=(0,), executions=("naive",), traces=traces,
+                                 log=lambda *_: None)
+        return out, traces[("naive", 0)]
+
+    (pooled, first), (one, trace_one), (two, _) = run((7000, 7001)), run(7000), run(7001)
+    assert pooled["episodes"] == 2 and pooled["seed"] == [7000, 7001] and one["seed"] == 7000
+    assert np.array_equal(first.commands, trace_one.commands)
+    assert pooled["execution"]["naive"]["0"]["misses_closest_cm"] == sorted(
+        one["execution"]["naive"]["0"]["misses_closest_cm"] + two["execution"]["naive"]["0"]["misses_closest_cm"])
 
 
 def test_the_configured_rtc_continues_the_playing_chunk_in_the_demo():
@@ -570,6 +612,9 @@ def test_the_delay_is_predicted_from_the_wait_and_the_measured_latency(engine_fa
     (["--delay-ticks", "12"], "delays up to 12 ticks need a re-plan period (--replan) >= 12"),
     (["--delay-ticks", "3", "--replan", "18"], "delay + re-plan period must fit the chunk (20 rows)"),
     (["--delay-ticks", "x"], "--delay-ticks must be comma-separated integers"),
+    (["--seed", "1000,x", "--execution", "rtc"], "--seed must be an integer or comma-separated integers"),
+    (["--seed", "1000,2000", "--ros", "--execution", "rtc"], "several --seed values pool episodes in the in-process"),
+    (["--seed", "1000,2000"], "several --seed values pool episodes in the in-process --execution evaluation only"),
 ])
 def test_execution_options_are_checked(argv, message, capsys):
     from oxygen_ros.eval import main

@@ -81,12 +81,16 @@ def trajectory_message(plan: ActionChunkPlan, actions: np.ndarray, now_s: float,
     return msg
 
 
-def chunk_message(plan: ActionChunkPlan, names: list[str], compute_latency_s: float, rtc_delay_rows: int | None):
+def chunk_message(plan: ActionChunkPlan, names: list[str], compute_latency_s: float, rtc_delay_rows: int | None,
+                  model_actions: np.ndarray | None = None):
+    """`model_actions`: the recorder's, with RTC on (what replay restores for the next chunk to continue)."""
     from oxygen_interfaces.msg import ActionChunk
 
     msg = ActionChunk(frame_index=plan.frame_index, horizon=plan.horizon, dim=plan.actions.shape[1],
                       step_period_s=plan.step_period_s, actions=plan.actions.ravel().tolist(), names=list(names),
                       compute_latency_s=float(compute_latency_s),
                       rtc_delay_rows=rtc_delay_rows or 0)
+    if model_actions is not None:
+        msg.model_actions = np.ascontiguousarray(model_actions, dtype=np.float32).ravel()
     msg.header.stamp = ros_time(plan.stamp_s)
     return msg

@@ -105,6 +105,7 @@ class Recorder(Node):
         if not self.enabled:
             return
         self.joint_names = list(joint_names)
+        self._with_model_actions = engine.config.rtc    # what replay restores for the next chunk to continue
         self._prompt = None
         self._queue = ByteQueue(int(self.p["queue_mb"] * (1 << 20)))
         self._closed = False
@@ -165,7 +166,8 @@ class Recorder(Node):
             self.bag.write(topic, msg_type, data)
         elif kind == "chunk":
             chunk = item[1]
-            msg = chunk_message(chunk.plan, self.joint_names, chunk.compute_s, chunk.rtc_delay_rows)
+            msg = chunk_message(chunk.plan, self.joint_names, chunk.compute_s, chunk.rtc_delay_rows,
+                                chunk.model_actions if self._with_model_actions else None)
             self.bag.write("/oxygen/action_chunk", type(msg), serialize_message(msg))
         else:
             self._write_observation(item[2])

@@ -13,10 +13,11 @@ machine or dtype: the report shows how far apart. Exit code 0 when all identical
 recording cannot be replayed (one line says why).
 
 Real-time chunking (`rtc`, docs/rtc.md): each chunk continued the chunk delivered before it, with a delay
-predicted from that run's timing; the chunk message records the delay (`rtc_delay_rows`), and replay
-computes each chunk with it, after the recorded chunk before it. A recording that begins mid-run (its first
-files rotated away) begins with chunks that continued an unrecorded one: those are skipped
-(`rtc_continues_unrecorded`) up to the first chunk made without guidance.
+predicted from that run's timing; the chunk message records the delay (`rtc_delay_rows`) and, in a
+recording, the chunk as the model output it (`model_actions`). Replay restores the recorded chunk before
+each guided chunk as the one playing and computes the chunk with the recorded delay: every chunk is
+checked on its own, from what was recorded. A guided chunk whose predecessor is not in the recording (the
+first one after files rotated away) is skipped (`rtc_continues_unrecorded`).
 
 Replies come from the conversation service's and the streaming action's introspection events.
 Not replayed: sampled replies (temperature > 0: the service's per-request seed is not recorded),
@@ -73,6 +74,18 @@ class Frame:
     questions: list = field(default_factory=list)    # (request msg, response msg) answered from this frame
     captions: list = field(default_factory=list)     # recorded caption texts of this frame
     rtc_delay_rows: int | None = None                # the delay RTC made the chunk with (None: plain)
+    continues: "RecordedChunk | None" = None         # RTC: the recorded chunk it continued
+
+
+@dataclass(frozen=True)
+class RecordedChunk:
+    """A chunk as recorded, with its observation's state: what the next chunk, guided, continued."""
+    index: int
+    stamp_ns: int
+    step_period_s: float
+    actions: np.ndarray                       # robot units
+    model_actions: np.ndarray                 # float32, the model's normalised action space
+    state: np.ndarray
 
 
 @dataclass
@@ -159,11 +172,16 @@ def _decoded(path: Path, contents) -> list[tuple[str, np.ndarray | None, object]
     return decoded
 
 
-def _actions(path: Path, msg) -> np.ndarray:
+def _actions(path: Path, msg) -> tuple[np.ndarray, np.ndarray | None]:
+    """(robot actions, model actions or None) of a chunk message."""
     if msg.horizon * msg.dim != len(msg.actions) or msg.horizon == 0:
         raise RecordingError(f"{path}: /oxygen/action_chunk of frame {msg.frame_index} has {len(msg.actions)} "
                              f"values for horizon {msg.horizon} x dim {msg.dim}")
-    return np.array(msg.actions, dtype=np.float64).reshape(msg.horizon, msg.dim)
+    if len(msg.model_actions) % msg.horizon:
+        raise RecordingError(f"{path}: /oxygen/action_chunk of frame {msg.frame_index} has {len(msg.model_actions)} "
+                             f"model action values, not a multiple of its horizon {msg.horizon}")
+    model = np.array(msg.model_actions, dtype=np.float32).reshape(msg.horizon, -1) if len(msg.model_actions) else None
+    return np.array(msg.actions, dtype=np.float64).reshape(msg.horizon, msg.dim), model
 
 
 def _metadata(path: Path, record: dict[str, str]) -> dict:
@@ -183,7 +201,7 @@ def read_recording(paths: list[str], say=print) -> Recording:
     does not parse is skipped and said so; one that ends early (the recorder was killed) is read up to
     its last whole record."""
     metadata: dict = {}
-    chunks: dict[int, tuple[int, np.ndarray, int | None]] = {}
+    chunks: dict[int, object] = {}           # frame index -> ActionChunk message
     states: dict[int, tuple[np.ndarray, str]] = {}
     images: dict[int, dict[str, object]] = {}
     requests: dict[tuple, object] = {}
@@ -217,7 +235,7 @@ def read_recording(paths: list[str], say=print) -> Recording:
             elif topic.startswith(OBSERVATION):
                 images.setdefault(_stamp_ns(msg.header), {})[msg.header.frame_id] = msg
             elif topic == "/oxygen/action_chunk":
-                chunks[msg.frame_index] = (_stamp_ns(msg.header), actions, msg.rtc_delay_rows or None)
+                chunks[msg.frame_index] = (msg, *actions)
             elif topic == "/oxygen/memory":
                 captions.append(msg)
             else:   # service event: request received / response sent, paired by client and sequence
@@ -251,16 +269,20 @@ def read_recording(paths: list[str], say=print) -> Recording:
                            "reply_frame_not_recorded": 0, "caption_frame_not_recorded": 0,
                            "unreadable_files": sum(how.startswith("skipped") for how in files.values()),
                            "unfinished_files": sum(how.startswith("unfinished") for how in files.values())}
-    for index, (stamp, actions, delay) in sorted(chunks.items()):
+    previous = None                                 # the chunk recorded before this one (RTC continued it)
+    for index, (msg, actions, model_actions) in sorted(chunks.items()):
+        stamp, delay, before = _stamp_ns(msg.header), msg.rtc_delay_rows or None, previous
+        previous = (RecordedChunk(index, stamp, msg.step_period_s, actions, model_actions, states[stamp][0])
+                    if stamp in states and model_actions is not None else None)
         if stamp not in states:
             skipped["no_observation"] += 1          # its observation was in a file rotated away
             continue
-        if delay is not None and not frames:
-            skipped["rtc_continues_unrecorded"] += 1    # it continued a chunk before the recording's first
+        if delay is not None and before is None:
+            skipped["rtc_continues_unrecorded"] += 1    # it continued a chunk (or its observation) not recorded
             continue
         state, frame_prompt = states[stamp]
         frames[index] = Frame(index, stamp, actions, state, images.get(stamp, {}), frame_prompt,
-                              rtc_delay_rows=delay)
+                              rtc_delay_rows=delay, continues=before if delay is not None else None)
     streamed = 0
     for key, response in responses:
         request = requests.get(key)
@@ -279,6 +301,19 @@ def read_recording(paths: list[str], say=print) -> Recording:
         else:
             skipped["caption_frame_not_recorded"] += 1
     return Recording(metadata, [frames[i] for i in sorted(frames)], skipped, streamed, files)
+
+
+def _seconds(stamp_ns: int) -> float:
+    """A stamp as the observation node converts a header (sec + nanosec * 1e-9): RTC aligns chunks by stamps."""
+    return stamp_ns // 1_000_000_000 + (stamp_ns % 1_000_000_000) * 1e-9
+
+
+def _chunk_result(chunk: RecordedChunk):
+    from oxygen_ros.engine.engine import ChunkResult
+    from oxygen_ros.robot.chunks import ActionChunkPlan
+
+    return ChunkResult(ActionChunkPlan(chunk.actions, _seconds(chunk.stamp_ns), chunk.step_period_s, chunk.index),
+                       chunk.model_actions, 0.0, 0)
 
 
 def build_engine(engine_params: dict):
@@ -363,12 +398,12 @@ def replay(recording: Recording, engine=None, say=print) -> dict:
                 ask("memory", engine.config.memory_prompt, engine.config.memory_max_tokens, text)
             images = {s: decode_compressed(m.format, m.data, name=s) if (m := frame.images.get(s)) else None
                       for s in slots}
-            # seconds as the observation node converts a header (sec + nanosec * 1e-9): RTC aligns chunks by stamps
-            stamp_s = frame.stamp_ns // 1_000_000_000 + (frame.stamp_ns % 1_000_000_000) * 1e-9
-            obs = Observation(stamp_s, images, {s: images[s] is not None for s in slots},
+            obs = Observation(_seconds(frame.stamp_ns), images, {s: images[s] is not None for s in slots},
                               frame.state, frame.prompt)
             before = engine.latest_chunk()
             engine.actions.replayed_delay = frame.rtc_delay_rows or 0       # as recorded; 0: plain
+            if frame.continues is not None:                               # the recorded chunk it continued
+                engine.actions.resume("", _chunk_result(frame.continues), frame.continues.state, engine.preparer)
             engine.run_cycle(obs, noise=engine.frame_noise(frame.index))
             chunk = engine.latest_chunk()
             got = chunk.plan.actions if chunk is not None and chunk is not before else None

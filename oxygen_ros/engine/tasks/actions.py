@@ -39,6 +39,7 @@ from oxygen_ros.robot.chunks import ActionChunkPlan
 
 from ..config import EngineConfig
 from ..cycle import Frame
+from ..frames import FramePreparer
 from ..model_runner import EngineFault, ModelRunner
 from ..stats import EngineStats
 
@@ -166,6 +167,11 @@ class ActionsTask:
         self._played[f.robot] = _Played(chunk, f.preparer.io.model_state(f.prepared.state))
         self._latency.setdefault(f.robot, collections.deque(maxlen=LATENCY_WINDOW)).append(chunk.compute_s)
         self.notify(chunk)
+
+    def resume(self, robot: str, chunk: ChunkResult, state: np.ndarray, preparer: FramePreparer) -> None:
+        """Replay (record/replay.py): `chunk`, recorded, is the one this robot was playing, delivered for an
+        observation with `state` (robot units); its next chunk continues it, as in the recorded run."""
+        self._played[robot] = _Played(chunk, preparer.io.model_state(np.asarray(state, dtype=np.float64)))
 
     def restart(self, robot: str) -> None:
         """The robot has not been playing its chunks (its output was off): RTC must not continue them, the
