@@ -284,23 +284,24 @@ class DelayedEpisode:
 
 
 def run_delayed_episode(scene: ReachScene, layout: Layout, target: int, planner: DelayedEngine, prompt: str,
-                        noise_seed: int, steps: int, replan: int, delay: int, execution: str,
-                        blend_steps: int) -> DelayedEpisode:
-    """One episode: every `replan` ticks a chunk from the current observation, first used `delay` ticks
-    later through the ChunkFollower with `execution`."""
+                        noise: int | np.random.Generator, steps: int, replan: int, delay: int, execution: str,
+                        blend_steps: int, disturb=None, stop_at_touch: bool = True) -> DelayedEpisode:
+    """One episode: every `replan` ticks a chunk from the current observation (its noise drawn from `noise`,
+    a seed or a generator), first used `delay` ticks later through the ChunkFollower with `execution`.
+    `disturb(tick, command) -> command`: what the arm is sent instead (training data: noise, samples)."""
     scene.reset(layout)
     planner.reset()
     follower = ChunkFollower(execution, blend_steps if execution == "blend" else 0)
-    noise = np.random.default_rng(noise_seed)
+    noise = np.random.default_rng(noise) if isinstance(noise, int) else noise
     pending: list[tuple[int, ChunkResult]] = []
     commands, chunk_of_tick, blending, switches, delays = [], [], [], [], []
-
     closest = scene.distance_to(target)
 
     def outcome(success: bool, ticks: int) -> DelayedEpisode:
         return DelayedEpisode(success, ticks, np.array(commands), np.array(chunk_of_tick), np.array(blending),
                               switches, delays, closest)
 
+    touched = None
     for k in range(steps):
         if pending and pending[0][0] == k:
             follower.push(pending.pop(0)[1].plan)
@@ -319,11 +320,13 @@ def run_delayed_episode(scene: ReachScene, layout: Layout, target: int, planner:
         commands.append(np.array(action, dtype=np.float64))
         chunk_of_tick.append(cmd.frame_index)
         blending.append(cmd.status == "blending")
-        scene.step(action)
+        scene.step(action if disturb is None else disturb(k, action))
         closest = min(closest, scene.distance_to(target))
-        if scene.touching() == target:
-            return outcome(True, k + 1)
-    return outcome(False, steps)
+        if touched is None and scene.touching() == target:
+            touched = k + 1
+            if stop_at_touch:
+                break
+    return outcome(touched is not None, touched or steps)
 
 
 def command_windows(ep: DelayedEpisode) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -2,6 +2,8 @@
 resumed run is the run it resumes) and the shipped weights (closed loop in MuJoCo through the engine)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -209,6 +211,7 @@ def test_fine_tuning_the_expert_keeps_the_vlm_and_records_prefix_conditioning(sm
     (["--train", "expert"], "--train expert needs --init"),
     (["--init", "/nonexistent", "--train", "expert"], "no model.safetensors or norm_stats.json there"),
     (["--prefix-delay-max", "20"], "must be in 0..19"),
+    (["--extra-data", "/nonexistent"], "--extra-data /nonexistent: no shard_*.npz there"),
 ])
 def test_fine_tuning_options_are_checked_before_any_work(argv, message, capsys):
     from oxygen_ros.training.train import main
@@ -218,13 +221,33 @@ def test_fine_tuning_options_are_checked_before_any_work(argv, message, capsys):
     assert refused.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_policy_rollouts_are_labelled_by_the_expert(tmp_path, capsys):
+    """`data --policy CHECKPOINT` (DAgger): the demo model's own episodes, each sample labelled with the
+    expert's chunk from the sample's state toward the named cube; reproducible from the seed; a directory
+    without weights is refused before any work."""
+    from oxygen_ros.robot.configs import demo_checkpoint
+    from oxygen_ros.sim.expert import expert_chunk, inverse_kinematics
+    from oxygen_ros.sim.scene import touch_point
+
+    d = datagen.generate_policy_shard(3, 0, demo_checkpoint(), size=8)
+    assert d["image"].shape == (8, 64, 64, 3) and d["chunk"].shape == (8, 20, 3)
+    for i in range(8):
+        goal = inverse_kinematics(touch_point(d["positions"][i][d["target"][i]].astype(np.float64)))
+        assert np.allclose(d["chunk"][i], expert_chunk(d["state"][i].astype(np.float64), goal, 20), atol=1e-6)
+    again = datagen.generate_policy_shard(3, 0, demo_checkpoint(), size=8)
+    assert all(np.array_equal(d[k], again[k]) for k in d)
+    with pytest.raises(SystemExit) as refused:
+        datagen.main(["--policy", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert refused.value.code == 2 and "no model.safetensors there" in capsys.readouterr().err
+
+
 def test_the_shipped_rtc_weights_continue_the_given_rows_and_still_turn_to_the_named_cube():
-    """demo_rtc, the demo model fine-tuned with prefix conditioning (docs/rtc.md): given the first 6 rows
-    of its own plain chunk, it continues them as planned; given 6 rows of the expert's plan toward another
-    cube, it continues them and turns to the named cube: its last row ends nearer the named cube's plan than
-    the other cube's. Three frames of each of 8 episodes of seed 7000 along the expert's path (normalised
-    model units, means; measured: own rows 0.022 from the plain chunk, turned last row 0.36 from the named
-    cube's plan vs 0.55 from the other's). The base weights are not prefix-conditioned."""
+    """demo_rtc, the demo model's expert fine-tuned on its own rollouts and with prefix conditioning
+    (docs/rtc.md): given the first 6 rows of its own plain chunk, it continues them as planned; given 6 rows
+    of the expert's plan toward another cube, it continues them and turns to the named cube: its last row
+    ends nearer the named cube's plan than the other cube's. Three frames of each of 8 episodes of seed 7000 along the expert's path (normalised
+    model units, means; measured: own rows 0.024 from the plain chunk, turned last row 0.34 from the named
+    cube's plan vs 0.56 from the other's). The base weights are not prefix-conditioned."""
     from oxygen_ros.engine.config import EngineConfig
     from oxygen_ros.engine.factory import build_engine, build_model
     from oxygen_ros.eval import demo_model_config
@@ -295,3 +318,21 @@ def test_the_shipped_weights_touch_the_named_cube_and_answer_about_the_scene():
     assert out["max_action_difference_across_policies"] <= 1e-5
     assert {p: r["success_rate"] for p, r in out["policies"].items()} == {
         p: out["success_rate"] for p in ("isolated", "shared_kv", "oxygen")}
+
+
+def test_demo_aim_splits_where_a_plan_ends_along_and_across_the_approach():
+    """scripts/demo_aim.py (docs/demo_model.md): a chunk whose last row puts the tip 3 cm short of the touch
+    point on the line from the tip is -3 cm along, 0 across; 2 cm to the side is 0 along, 2 across."""
+    import importlib.util
+
+    from oxygen_ros.sim.expert import inverse_kinematics
+
+    spec = importlib.util.spec_from_file_location("demo_aim", Path(__file__).parents[1] / "scripts" / "demo_aim.py")
+    demo_aim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo_aim)
+    touch, tip = np.array([0.22, 0.05, 0.05]), np.array([0.22, 0.15, 0.05])     # approaching along -y
+    short = np.array([0.22, 0.08, 0.05])
+    side = np.array([0.24, 0.05, 0.05])
+    for end, along, across in ((touch, 0.0, 0.0), (short, -0.03, 0.0), (side, 0.0, 0.02)):
+        distance, a, c = demo_aim.aim(np.stack([inverse_kinematics(end)] * 20), tip, touch)
+        assert distance == pytest.approx(0.1) and a == pytest.approx(along, abs=1e-6) and c == pytest.approx(across, abs=1e-6)

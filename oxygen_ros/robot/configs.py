@@ -38,7 +38,8 @@ def find_config(name: str) -> Path:
 
 def demo_checkpoint(name: str = "demo") -> Path:
     """Shipped demo weights (model.safetensors, norm_stats.json, config.json): "demo", or "demo_rtc" (its
-    action expert fine-tuned with prefix conditioning for real-time chunking, docs/rtc.md)."""
+    action expert fine-tuned on the model's own episodes, then with prefix conditioning for real-time
+    chunking, docs/rtc.md)."""
     from importlib import resources
 
     if name not in ("demo", "demo_rtc"):

@@ -4,6 +4,11 @@ noise injected into the executed commands (so the data also shows how to come ba
 at random steps. Each sample: the base camera image, the joint state, the expert's next
 action chunk from that state, and the scene's ground truth (for the questions, drawn at training time).
 
+`--policy CHECKPOINT` (DAgger, Ross et al. 2011): the rollouts are that checkpoint's own, through the
+engine and the ChunkFollower as served (execution naive or rtc, a delay of 0..6 ticks), still labelled by
+the expert's chunk from each visited state: the states a trained model reaches near the cubes are not the
+expert's, and its misses came from there (docs/demo_model.md).
+
 Cached to disk in shards of `SHARD_SIZE` samples (`shard_00000.npz`, ...): shard k is generated from seed
 (seed, k) alone, so the cache is reproducible, and an interrupted run resumes at the first missing shard.
 """
@@ -60,12 +65,78 @@ def generate_shard(seed: int, shard: int, image_size: int, horizon: int,
                 out["tip"].append(scene.tip())
             scene.step(executed[step % replan] + offset + rng.normal(0.0, COMMAND_NOISE, size=3))
     scene.close()
+    return _arrays(out)
+
+
+# Policy rollouts (DAgger): longer episodes (a model reaches more slowly than the expert, and its misses
+# hover near a cube), more samples each; the execution and delay drawn per episode.
+POLICY_EPISODE_STEPS = 160
+POLICY_SAMPLES_PER_EPISODE = 8
+POLICY_EXECUTIONS = ("naive", "rtc")
+POLICY_DELAY_MAX = 6
+
+
+def generate_policy_shard(seed: int, shard: int, checkpoint: Path, size: int = SHARD_SIZE) -> dict[str, np.ndarray]:
+    """A shard of `checkpoint`'s own closed-loop episodes (through the engine in process, as the evaluation
+    runs them, with the expert's command noise), each sample labelled with the expert's chunk."""
+    import torch
+
+    from oxygen_ros.eval import DelayedEngine, RtcSettings, demo_model_config, run_delayed_episode
+    from oxygen_ros.engine.factory import build_model
+    from oxygen_ros.sim.scene import task_prompt
+
+    rng = np.random.default_rng([seed, shard])
+    cfg = demo_model_config(checkpoint)
+    torch.set_num_threads(1)
+    model = build_model(cfg, str(checkpoint))
+    planners = {(e, d): DelayedEngine(model, checkpoint, e, d, RtcSettings())
+                for e in POLICY_EXECUTIONS for d in range(POLICY_DELAY_MAX + 1)}
+    scene = ReachScene(cfg.vision.image_size)
+    out = {k: [] for k in ("image", "state", "chunk", "target", "colours", "positions", "tip")}
+    while len(out["image"]) < size:
+        layout = Layout.random(rng)
+        target = int(rng.integers(len(layout.colours)))
+        goal = inverse_kinematics(touch_point(layout.positions[target]))
+        picks = set(rng.choice(POLICY_EPISODE_STEPS, size=POLICY_SAMPLES_PER_EPISODE, replace=False).tolist())
+        execution = POLICY_EXECUTIONS[int(rng.integers(len(POLICY_EXECUTIONS)))]
+        delay = int(rng.integers(POLICY_DELAY_MAX + 1))
+        replan = int(rng.integers(max(delay, REPLAN_RANGE[0]), REPLAN_RANGE[1] + 1))   # the evaluation's rule
+        colours = np.full(MAX_CUBES, -1)
+        colours[:len(layout.colours)] = [COLOUR_NAMES.index(c) for c in layout.colours]
+        positions = np.zeros((MAX_CUBES, 3))
+        positions[:len(layout.colours)] = layout.positions
+        offset = np.zeros(3)
+
+        def disturb(step: int, command: np.ndarray) -> np.ndarray:
+            """Sample the state the policy reached (labelled by the expert), then the expert data's noise."""
+            nonlocal offset
+            if step % replan == 0:
+                offset = rng.normal(0.0, CHUNK_OFFSET_NOISE, size=3)
+            if step in picks and len(out["image"]) < size:
+                q = scene.joints()
+                out["image"].append(scene.render("base"))
+                out["state"].append(q)
+                out["chunk"].append(expert_chunk(q, goal, cfg.action_horizon))
+                out["target"].append(target)
+                out["colours"].append(colours)
+                out["positions"].append(positions)
+                out["tip"].append(scene.tip())
+            return command + offset + rng.normal(0.0, COMMAND_NOISE, size=3)
+
+        run_delayed_episode(scene, layout, target, planners[(execution, delay)], task_prompt(layout.colours[target]),
+                            rng, POLICY_EPISODE_STEPS, replan, delay, execution, 0, disturb, stop_at_touch=False)
+    scene.close()
+    return _arrays(out)
+
+
+def _arrays(out: dict[str, list]) -> dict[str, np.ndarray]:
     return {k: np.stack(v).astype(np.uint8 if k == "image" else np.float32 if k != "target" and k != "colours"
                                   else np.int64) for k, v in out.items()}
 
 
 def generate(out_dir: Path, samples: int, seed: int = 0, image_size: int = 64, horizon: int = 20,
-             shard_size: int = SHARD_SIZE, log=print) -> list[Path]:
+             shard_size: int = SHARD_SIZE, policy: Path | None = None, log=print) -> list[Path]:
+    """`policy`: that checkpoint's rollouts (generate_policy_shard) instead of the expert's."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = -(-samples // shard_size)
@@ -73,7 +144,8 @@ def generate(out_dir: Path, samples: int, seed: int = 0, image_size: int = 64, h
     for k in range(shards):
         path = out_dir / f"shard_{k:05d}.npz"
         if not path.exists():                 # resumable: finished shards are kept
-            data = generate_shard(seed, k, image_size, horizon, shard_size)
+            data = (generate_shard(seed, k, image_size, horizon, shard_size) if policy is None
+                    else generate_policy_shard(seed, k, Path(policy), shard_size))
             tmp = path.with_suffix(".tmp.npz")
             np.savez(tmp, **data)
             tmp.rename(path)
@@ -95,8 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--horizon", type=int, default=20)
+    p.add_argument("--policy", type=Path, default=None,
+                   help="a checkpoint directory: its own rollouts (execution naive or rtc, delay 0..6 ticks), "
+                        "labelled by the expert (DAgger)")
     a = p.parse_args(argv)
-    generate(a.out, a.samples, a.seed, a.image_size, a.horizon)
+    if a.policy is not None and not (a.policy / "model.safetensors").is_file():
+        p.error(f"--policy {a.policy}: no model.safetensors there")
+    generate(a.out, a.samples, a.seed, a.image_size, a.horizon, policy=a.policy)
     return 0
 
 

@@ -8,8 +8,10 @@ progress, saves its state every `--save-every` steps and resumes from it. At the
 OUT/model.safetensors (openpi layout, loaded by the engine's strict loader) with OUT/norm_stats.json,
 OUT/config.json and OUT/losses.json.
 
-Or fine-tune trained weights: `--init DIR --train expert --prefix-delay-max 10` trains only the action
-expert, with prefix conditioning (training-time real-time chunking; the shipped demo_rtc, docs/rtc.md).
+Or fine-tune trained weights: `--init DIR --train expert` trains only the action expert, on `--data` and
+any `--extra-data` (e.g. the model's own rollouts, `oxygen_ros.training.data --policy`: DAgger), with
+`--prefix-delay-max 10` with prefix conditioning (training-time real-time chunking); the shipped demo_rtc
+is made so (docs/demo_model.md).
 """
 from __future__ import annotations
 
@@ -288,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train", choices=("all", "expert"), default="all",
                    help="expert: only the action expert trains (flow matching; needs --init): the VLM's answers "
                         "and captions stay those of --init")
+    p.add_argument("--extra-data", type=Path, nargs="+", default=[],
+                   help="directories of shards trained on with --data's (e.g. a checkpoint's own rollouts: "
+                        "oxygen_ros.training.data --policy)")
     p.add_argument("--prefix-delay-max", type=int, default=0,
                    help="prefix conditioning (training-time RTC): each sample's first 0..N rows given clean, "
                         "the loss on the others; the checkpoint then serves rtc_correction prefix")
@@ -302,10 +307,15 @@ def main(argv: list[str] | None = None) -> int:
     missing = [f for f in ("model.safetensors", "norm_stats.json") if a.init is not None and not (a.init / f).is_file()]
     if missing:
         p.error(f"--init {a.init}: no {' or '.join(missing)} there")
+    extra = {d: sorted(d.glob("shard_*.npz")) for d in a.extra_data}
+    empty = [str(d) for d, shards in extra.items() if not shards]
+    if empty:
+        p.error(f"--extra-data {' '.join(empty)}: no shard_*.npz there")
     torch.set_num_threads(a.threads)
     cfg = preset("demo")
     paths = datagen.generate(a.data, a.samples, a.seed, cfg.vision.image_size, cfg.action_horizon)
     restart = None if a.restart_at is None else (a.restart_at, a.restart_lr)
+    paths += [shard for shards in extra.values() for shard in shards]
     trainer = Trainer(cfg, datagen.load(paths), a.out, a.batch, a.steps, a.lr, a.seed, restart=restart,
                       init=a.init, expert_only=a.train == "expert", prefix_delay_max=a.prefix_delay_max)
     plot_losses(trainer.run(until=a.until), a.out / "losses.png")
