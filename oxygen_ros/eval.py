@@ -49,7 +49,7 @@ from oxygen_ros.robot.policy_io import RobotIOConfig
 from oxygen_ros.robot.sync import Observation
 from oxygen_ros.sim.expert import expert_chunk, inverse_kinematics
 from oxygen_ros.sim.questions import scene_questions
-from oxygen_ros.sim.scene import CONTROL_PERIOD_S, Layout, ReachScene, task_prompt, touch_point
+from oxygen_ros.sim.scene import CONTROL_PERIOD_S, Layout, ReachScene, draw_episode, task_prompt, touch_point
 
 CAMERA_SLOT = "base_0_rgb"
 
@@ -151,13 +151,11 @@ def evaluate(episodes: int, seed: int = 0, steps: int = 210, replan: int = 10, p
     max_chunk_diff = 0.0
     start = time.monotonic()
     for ep in range(episodes):
-        rng = np.random.default_rng([seed, ep])
-        layout = Layout.random(rng)
-        target = int(rng.integers(len(layout.colours)))
-        prompt = task_prompt(layout.colours[target])
+        episode = draw_episode(seed, ep)
+        layout, target, prompt, noise_seed, rng = (episode.layout, episode.target, episode.prompt,
+                                                   episode.noise_seed, episode.rng)
         goal = inverse_kinematics(touch_point(layout.positions[target]))
         expert.append(run_episode(scene, layout, target, expert_actor(goal, h), steps, replan))
-        noise_seed = int(rng.integers(2**31))
         chunks = {}
         for p, engine in engines.items():
             chunks[p] = []
@@ -419,17 +417,13 @@ def evaluate_execution(episodes: int, seed: int | tuple[int, ...] = 1000, steps:
     start = time.monotonic()
     for seed_ in seeds:
         for ep in range(episodes):
-            rng = np.random.default_rng([seed_, ep])             # as `evaluate` draws episode ep
-            layout = Layout.random(rng)
-            target = int(rng.integers(len(layout.colours)))
-            prompt = task_prompt(layout.colours[target])
-            noise_seed = int(rng.integers(2**31))
+            episode = draw_episode(seed_, ep)
             for (e, d), rs in results.items():
-                rs.append(run_delayed_episode(scene, layout, target, engines[(e, d)], prompt, noise_seed, steps,
-                                              replan, d, e, blend_steps))
+                rs.append(run_delayed_episode(scene, episode.layout, episode.target, engines[(e, d)], episode.prompt,
+                                              episode.noise_seed, steps, replan, d, e, blend_steps))
                 if traces is not None and seed_ == seeds[0] and ep == 0:
                     traces[(e, d)] = rs[-1]
-            log(f"[eval execution] seed {seed_} episode {ep + 1}/{episodes}: {prompt!r} "
+            log(f"[eval execution] seed {seed_} episode {ep + 1}/{episodes}: {episode.prompt!r} "
                 + " ".join(f"{e}@{d}={'ok' if rs[-1].success else 'FAIL'}" for (e, d), rs in results.items()))
     scene.close()
 
@@ -602,11 +596,16 @@ def execution_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     else:
         out = evaluate_execution(a.episodes, a.seeds, a.steps, a.replan, delays, executions, a.blend_steps,
                                  settings, a.checkpoint)
-    text = json.dumps(out, indent=1)
-    if a.json:
-        a.json.write_text(text + "\n")
-    print(text)
+    print_json(out, a.json)
     return 0
+
+
+def print_json(out: dict, path: Path | None) -> None:
+    """An evaluation's result on stdout, and in `path` when given."""
+    text = json.dumps(out, indent=1)
+    if path:
+        path.write_text(text + "\n")
+    print(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -652,10 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         out = evaluate(a.episodes, a.seed, a.steps, a.replan, tuple(a.policies.split(",")), a.checkpoint,
                        strip=a.strip)
-    text = json.dumps(out, indent=1)
-    if a.json:
-        a.json.write_text(text + "\n")
-    print(text)
+    print_json(out, a.json)
     return 0
 
 

@@ -12,17 +12,16 @@ closed-loop frames near the cube come mostly from the episodes that hover there 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from oxygen_ros.eval import DelayedEngine, RtcSettings, demo_model_config
+from oxygen_ros.eval import DelayedEngine, RtcSettings, demo_model_config, print_json, run_episode
 from oxygen_ros.engine.factory import build_model
 from oxygen_ros.robot.configs import demo_checkpoint
 from oxygen_ros.sim.expert import forward_kinematics
-from oxygen_ros.sim.scene import Layout, ReachScene, task_prompt, touch_point
+from oxygen_ros.sim.scene import CONTROL_PERIOD_S, ReachScene, draw_episode, task_prompt, touch_point
 
 BANDS_M = ((0.0, 0.05), (0.05, 0.08), (0.08, 0.12), (0.12, 0.2))
 REPLAN = 10
@@ -51,23 +50,21 @@ def summary(rows: list[tuple[float, float, float]]) -> dict:
 
 
 def closed_loop(planner: DelayedEngine, image_size: int, episodes: int, seed: int, steps: int = 210) -> list:
+    """The evaluation's episodes (run_episode: re-plan every 10 ticks, until the touch), each plan's aim."""
     scene, rows = ReachScene(image_size), []
     for ep in range(episodes):
-        rng = np.random.default_rng([seed, ep])             # the evaluation's episode ep
-        layout = Layout.random(rng)
-        target = int(rng.integers(len(layout.colours)))
-        prompt, noise = task_prompt(layout.colours[target]), np.random.default_rng(int(rng.integers(2**31)))
-        touch = touch_point(layout.positions[target])
-        scene.reset(layout)
+        episode = draw_episode(seed, ep)
+        touch, noise = touch_point(episode.layout.positions[episode.target]), np.random.default_rng(episode.noise_seed)
         planner.reset()
-        for k in range(steps):
-            if k % REPLAN == 0:
-                z = noise.standard_normal((planner.horizon, planner.dim)).astype(np.float32)
-                chunk = planner.plan(scene.render("base"), scene.joints(), prompt, z, k).plan.actions
-                rows.append(aim(chunk, scene.tip(), touch))
-            scene.step(chunk[k % REPLAN])
-            if scene.touching() == target:
-                break
+
+        def act(scene: ReachScene) -> np.ndarray:
+            z = noise.standard_normal((planner.horizon, planner.dim)).astype(np.float32)
+            chunk = planner.plan(scene.render("base"), scene.joints(), episode.prompt, z,
+                                 round(scene.time / CONTROL_PERIOD_S)).plan.actions
+            rows.append(aim(chunk, scene.tip(), touch))
+            return chunk
+
+        run_episode(scene, episode.layout, episode.target, act, steps, REPLAN)
     scene.close()
     return rows
 
@@ -104,10 +101,7 @@ def main(argv: list[str] | None = None) -> int:
            "closed_loop": summary(closed_loop(planner, cfg.vision.image_size, a.episodes, a.seed))}
     if a.data:
         out["training_frames"] = summary(training_frames(planner, a.data, 2000, a.seed))
-    text = json.dumps(out, indent=1)
-    if a.json:
-        a.json.write_text(text + "\n")
-    print(text)
+    print_json(out, a.json)
     return 0
 
 

@@ -341,6 +341,7 @@ def test_a_recording_with_real_time_chunking_replays_bitwise(tmp_path):
     from oxygen_interfaces.msg import ActionChunk
     from oxygen_ros.record.recorder import Recorder
     from oxygen_ros.record.replay import build_engine
+    from oxygen_ros.robot.trajectory import stamp_to_seconds
 
     params = {"model": "tiny", "torch_threads": 1, "rtc": True, "max_active_requests": 1}
     engine = build_engine(params)                    # as the engine node builds it (and replay will)
@@ -354,7 +355,7 @@ def test_a_recording_with_real_time_chunking_replays_bitwise(tmp_path):
         for i in range(12):
             obs = make_observation(i)
             ns = round(i * 2e9 / 70)                 # two rows of the 70 Hz chunk apart: each continues the last
-            obs.stamp_s = ns // 10**9 + (ns % 10**9) * 1e-9     # as the observation node reads a header
+            obs.stamp_s = stamp_to_seconds(*divmod(ns, 10**9))   # as the observation node reads a header
             if i == 8:
                 engine.actions.forget()              # the safe stop: nothing to continue, a plain chunk
             engine.run_cycle(obs)

@@ -20,6 +20,7 @@ from oxygen_ros.robot.stamps import StampCheck
 from oxygen_ros.robot.state import StateReader
 from oxygen_ros.robot.sync import ObservationAssembler
 from oxygen_ros.robot.text import validate_text
+from oxygen_ros.robot.trajectory import stamp_to_seconds
 from oxygen_ros.robot.watchdog import StaleWatch
 
 from .engine_node import status, status_name
@@ -27,7 +28,7 @@ from .params import Param, ParameterError, declare_all
 
 
 def _stamp_s(header) -> float:
-    return header.stamp.sec + header.stamp.nanosec * 1e-9
+    return stamp_to_seconds(header.stamp.sec, header.stamp.nanosec)
 
 
 def params_for(slots) -> list[Param]:

@@ -49,6 +49,7 @@ import numpy as np  # noqa: E402
 from rclpy.serialization import deserialize_message  # noqa: E402
 
 from oxygen_ros.progress import LongTask  # noqa: E402
+from oxygen_ros.robot.trajectory import NS_PER_S, stamp_to_seconds  # noqa: E402
 
 from .bag import METADATA  # noqa: E402
 from .msgdef import type_name  # noqa: E402
@@ -128,7 +129,7 @@ def message_type(topic: str):
 
 
 def _stamp_ns(header) -> int:
-    return header.stamp.sec * 1_000_000_000 + header.stamp.nanosec
+    return header.stamp.sec * NS_PER_S + header.stamp.nanosec
 
 
 def _files(paths: list[str]) -> list[Path]:
@@ -304,8 +305,8 @@ def read_recording(paths: list[str], say=print) -> Recording:
 
 
 def _seconds(stamp_ns: int) -> float:
-    """A stamp as the observation node converts a header (sec + nanosec * 1e-9): RTC aligns chunks by stamps."""
-    return stamp_ns // 1_000_000_000 + (stamp_ns % 1_000_000_000) * 1e-9
+    """A recorded stamp as the observation node reads a header (stamp_to_seconds): RTC aligns chunks by stamps."""
+    return stamp_to_seconds(*divmod(stamp_ns, NS_PER_S))
 
 
 def _chunk_result(chunk: RecordedChunk):

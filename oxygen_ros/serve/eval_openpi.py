@@ -30,7 +30,7 @@ from openpi_client.runtime.agents.policy_agent import PolicyAgent
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from oxygen_ros.sim.questions import scene_questions
-from oxygen_ros.sim.scene import Layout, ReachScene, task_prompt
+from oxygen_ros.sim.scene import ReachScene, draw_episode
 
 QUESTION_TOKENS = 16          # as the in-process evaluation and the demo client ask
 
@@ -51,13 +51,10 @@ class ReachEpisodes(_environment.Environment):
         if self.index + 1 >= self.episodes:
             return
         self.index += 1
-        rng = np.random.default_rng([self.seed, self.index])
-        self.layout = Layout.random(rng)
-        self.target = int(rng.integers(len(self.layout.colours)))
-        self.prompt = task_prompt(self.layout.colours[self.target])
-        rng.integers(2**31)                   # the in-process evaluation's noise seed: keeps the next draws equal
+        episode = draw_episode(self.seed, self.index)
+        self.layout, self.target, self.prompt = episode.layout, episode.target, episode.prompt
         self.scene.reset(self.layout)
-        self.questions = scene_questions(self.layout, self.scene.tip(), rng)
+        self.questions = scene_questions(self.layout, self.scene.tip(), episode.rng)
         self._tick, self._touched_other, self._done = 0, False, False
 
     def get_observation(self) -> dict:

@@ -21,7 +21,7 @@ import numpy as np
 from oxygen_ros.robot.errors import ActionError
 
 from .questions import Question, scene_questions
-from .scene import CONTROL_PERIOD_S, JOINT_NAMES, Layout, ReachScene, task_prompt
+from .scene import CONTROL_PERIOD_S, JOINT_NAMES, Layout, ReachScene, draw_episode, task_prompt
 
 MAX_CATCH_UP_STEPS = 35     # after a stall (a slow render, a busy CPU) jump ahead instead of racing
 
@@ -166,10 +166,9 @@ class ReachEpisodes:
 
     def _new_episode(self) -> None:
         self.episode_index += 1
-        rng = np.random.default_rng([self.seed, self.episode_index])    # as eval.py draws episode k
-        layout = Layout.random(rng)
-        self.target = int(rng.integers(len(layout.colours)))
-        self.scene.reset(layout)
+        episode = draw_episode(self.seed, self.episode_index)
+        self.target = episode.target
+        self.scene.reset(episode.layout)
         self.command = None          # hold the start pose until the policy's first command for this task
 
     def close(self) -> None:

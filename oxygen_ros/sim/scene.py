@@ -86,6 +86,25 @@ def touch_point(cube_position: np.ndarray) -> np.ndarray:
     return cube_position + np.array([0.0, 0.0, CUBE_HALF + 0.012])
 
 
+@dataclass(frozen=True)
+class Episode:
+    """Episode k of a seed: its scene, named cube and the seed of its chunks' noise."""
+    layout: Layout
+    target: int
+    prompt: str
+    noise_seed: int
+    rng: np.random.Generator        # the episode's later draws (its scene questions)
+
+
+def draw_episode(seed: int, k: int) -> Episode:
+    """Episode k of `seed`, drawn the same way on every path (the in-process evaluation, the simulated robot
+    node, the openpi client's environment, the aim diagnosis): the same seed gives the same scenes."""
+    rng = np.random.default_rng([seed, k])
+    layout = Layout.random(rng)
+    target = int(rng.integers(len(layout.colours)))
+    return Episode(layout, target, task_prompt(layout.colours[target]), int(rng.integers(2**31)), rng)
+
+
 def _release_gl_context() -> None:
     """An EGL context is current in one thread at a time, and mujoco's Renderer leaves it current after
     rendering: release it, so that another thread (a ROS executor's, the one that shuts down) may render
