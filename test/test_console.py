@@ -44,6 +44,9 @@ oxygen_console:
   ros__parameters:
     max_connections: {MAX_CONNECTIONS}
     request_head_timeout_s: {HEAD_TIMEOUT_S}
+oxygen_sim_robot:
+  ros__parameters:
+    enable_service: ''          # the output stays on through the resets: only these tests switch it
 """
 
 

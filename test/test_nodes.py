@@ -32,8 +32,11 @@ def system(tmp_path_factory):
     overrides = tmp_path_factory.mktemp("params") / "test.yaml"
     # The trained demo model ends its replies with EOS within ~12 tokens: one token per frame leaves the
     # streaming test time to cancel a reply before it ends.
+    # The simulated robot leaves the action output on through its resets: these tests measure the command
+    # stream and switch the output themselves.
     overrides.write_text("oxygen_engine:\n  ros__parameters:\n    memory_period_s: 1.5\n"
-                         "    decode_budget: fixed\n    tokens_per_frame: 1\n")
+                         "    decode_budget: fixed\n    tokens_per_frame: 1\n"
+                         "oxygen_sim_robot:\n  ros__parameters:\n    enable_service: ''\n")
     domain = private_domain(11)
     with running_bringup(["--demo", "--params-file", str(overrides), "--status-period", "2"], domain) as (bringup, client):
         actions = client.collect(Float64MultiArray, "/oxygen/action")

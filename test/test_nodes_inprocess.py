@@ -125,10 +125,10 @@ def test_execution_decides_how_a_new_chunk_takes_over(publisher, execution, blen
     assert node.last_status == statuses[-1]
 
 
-def test_enabling_the_output_restarts_real_time_chunking(publisher, obs):
-    """While the output is off the robot plays nothing, so the chunks the engine delivered meanwhile lead
-    where it is not: the first chunk after /oxygen/enable true is plain (from the robot's state), RTC
-    continues from there."""
+def test_real_time_chunking_continues_only_chunks_that_play(publisher, obs):
+    """While the output is off nothing plays the chunks: the robot stays where it is (or an operator moves
+    it), so chunks continuing them would lead from where it is not. Each is planned from the robot's state
+    (plain); when the output is back on the next chunk continues the last of them, the one playing."""
     node = publisher(execution="rtc", engine_config=dict(rtc=True, rtc_delay_rows=1))
 
     def delay_of_next_chunk(i):
@@ -138,11 +138,22 @@ def test_enabling_the_output_restarts_real_time_chunking(publisher, obs):
         return node.engine.latest_chunk().rtc_delay_rows
     assert [delay_of_next_chunk(i) for i in range(2)] == [None, 1]
     node.set_enabled(False)
-    assert delay_of_next_chunk(2) == 1                 # the engine still continues what it delivered...
+    assert [delay_of_next_chunk(i) for i in (2, 3)] == [None, None]
     node.set_enabled(True)
-    assert [delay_of_next_chunk(i) for i in (3, 4)] == [None, 1]      # ...until the output is back on
-    node.set_enabled(True)                             # already on: nothing restarts
-    assert delay_of_next_chunk(5) == 1
+    assert [delay_of_next_chunk(i) for i in (4, 5)] == [1, 1]
+    node.set_enabled(True)                             # already on: nothing changes
+    assert delay_of_next_chunk(6) == 1
+
+
+def test_a_publisher_that_starts_disabled_gets_plain_chunks(publisher, obs):
+    node = publisher(execution="rtc", start_enabled=False, engine_config=dict(rtc=True, rtc_delay_rows=1))
+    delays = []
+    for i in range(3):
+        observation = obs(i)
+        observation.stamp_s = i * DT
+        node.engine.run_cycle(observation)
+        delays.append(node.engine.latest_chunk().rtc_delay_rows)
+    assert delays == [None, None, None]
 
 
 def test_execution_settings_are_refused_together(ros, engine_factory):

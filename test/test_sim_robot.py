@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from oxygen_ros.robot.errors import ActionError
-from oxygen_ros.sim.episodes import ReachEpisodes
+from oxygen_ros.sim.episodes import ReachEpisodes, ResetSwitch
 from oxygen_ros.sim.expert import expert_chunk, forward_kinematics, inverse_kinematics
 from oxygen_ros.sim.questions import caption, scene_questions
 from oxygen_ros.sim.scene import (CONTROL_PERIOD_S, JOINT_NAMES, MIN_CUBE_DISTANCE, Layout, ReachScene,
@@ -178,6 +178,16 @@ def test_bad_commands_are_refused_and_change_nothing():
     world.close()
 
 
+def test_the_reset_switches_off_only_an_output_that_is_on_and_back_on_only_what_it_switched_off():
+    switch = ResetSwitch(on_within_s=0.25)
+    assert switch.on_phase_change(False, 10.0, 9.99) is False      # commands coming: off for the reset
+    assert switch.on_phase_change(True, 10.7, 9.99) is True        # the episode starts: on again
+    assert switch.on_phase_change(False, 20.0, 19.0) is None       # no command for 1 s: someone switched it off
+    assert switch.on_phase_change(True, 20.7, 19.0) is None        # ...and it stays off
+    assert switch.on_phase_change(False, 1.0, None) is None        # the first reset, before any command
+    assert switch.on_phase_change(True, 1.7, None) is None
+
+
 # ------------------------------------------------------------------------------------------------ node
 
 class _Probe:
@@ -329,3 +339,47 @@ def test_node_joint_state_commands_and_bad_parameters(ros_context):
     commands.publish(JointState(name=["joint_1"], position=[1.0, 2.0]))  # length mismatch: ignored
     probe.wait(lambda: node.rejected_count >= 1, 5.0, "the rejected command")
     np.testing.assert_allclose(node.world.command, expected)
+
+
+def test_node_switches_the_action_output_off_for_each_reset(ros_context):
+    """The episode times out while commands come: the node asks /oxygen/enable for off, then, when the next
+    episode runs, for on; commands that stop before a reset (an output switched off by someone else) leave
+    the switch alone."""
+    import rclpy
+    from rclpy.parameter import Parameter
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+    from std_msgs.msg import Float64MultiArray
+    from std_srvs.srv import SetBool
+
+    from oxygen_ros.nodes.sim_robot import SimRobotNode
+
+    context, executor, nodes, thread = ros_context
+    node = SimRobotNode(context=context, parameter_overrides=[Parameter("episode_s", value=0.6),
+                                                              Parameter("camera_rate_hz", value=5.0)])
+    probe_node = rclpy.create_node("sim_robot_test_probe_enable", context=context)
+    nodes += [node, probe_node]
+    probe = _Probe()
+    requests = []
+
+    def on_enable(request, response):
+        with probe.lock:
+            requests.append((request.data, node.world.running))
+        response.success = True
+        return response
+    probe_node.create_service(SetBool, "/oxygen/enable", on_enable)
+    commands = probe_node.create_publisher(Float64MultiArray, "/oxygen/action",
+                                           QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+    executor.add_node(node)
+    executor.add_node(probe_node)
+    thread.start()
+    probe.wait(lambda: node.world.running, 10.0, "the first episode to run")
+    assert requests == [], "the first reset came before any command: nothing to switch"
+    while node.world.tally.episodes < 1:            # the output is on: a command every control period
+        commands.publish(Float64MultiArray(data=node.world.layout.start.tolist()))
+        time.sleep(CONTROL_PERIOD_S)
+    probe.wait(lambda: requests[:1] == [(False, False)], 5.0, "off while the scene is reset")
+    probe.wait(lambda: requests[1:] == [(True, True)], 5.0, "on when the next episode runs")
+    probe.wait(lambda: node.world.tally.episodes >= 2, 5.0, "the next episode to time out, without commands")
+    time.sleep(0.3)
+    with probe.lock:
+        assert len(requests) == 2, "no commands before that reset: the switch was left alone"

@@ -100,6 +100,7 @@ class ActionPublisher(Node):
         self._incoming: ChunkResult | None = None
         self._incoming_lock = threading.Lock()
         self.enabled = p["start_enabled"]
+        engine.actions.set_playing(robot, self.enabled)
         self.active = True          # False while the engine node is inactive: output cannot be enabled
         self.last_status = "no_chunk"
         self.previous: np.ndarray | None = None
@@ -156,14 +157,13 @@ class ActionPublisher(Node):
         self.set_enabled(False)
 
     def set_enabled(self, enabled: bool) -> None:
-        """Disabling waits for a tick in progress, then sends the final stop: no command follows it.
-        Enabling restarts real-time chunking: the chunks delivered meanwhile were not played."""
+        """Disabling waits for a tick in progress, then sends the final stop: no command follows it. The
+        engine is told whether the chunks play: while they do not, real-time chunking continues none."""
         with self._output_lock:
             if self.enabled and not enabled:
                 self._send_stop(self._now())
-            if enabled and not self.enabled:
-                self.engine.actions.restart(self.robot)
             self.enabled = enabled and not self._shut_down
+            self.engine.actions.set_playing(self.robot, self.enabled)
         self.get_logger().info("action output " + ("enabled" if self.enabled else "disabled"))
 
     def _tick(self) -> None:

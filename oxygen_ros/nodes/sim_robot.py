@@ -10,6 +10,8 @@ Topics (names are parameters):
              /oxygen/prompt                                          std_msgs/String, each new task
   subscribes /oxygen/action   std_msgs/Float64MultiArray (3 target positions, command_type "float64_array")
                               or sensor_msgs/JointState (targets by joint name, command_type "joint_state")
+  calls      /oxygen/enable   std_srvs/SetBool: the action output off while the scene is reset, on when the
+                              episode starts (ResetSwitch: only an output it switched off)
 
 Images and states use the sensor-data QoS (best effort, keep last 5); commands a reliable keep-last-10
 subscription, the prompt a reliable publisher. All callbacks are in the node's default (mutually
@@ -31,9 +33,10 @@ from rclpy.node import Node
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import Float64MultiArray, String
+from std_srvs.srv import SetBool
 
 from ..robot.errors import InputError
-from ..sim.episodes import ReachEpisodes
+from ..sim.episodes import ReachEpisodes, ResetSwitch
 from ..sim.scene import JOINT_NAMES
 
 CAMERAS = ("base", "wrist")
@@ -87,6 +90,11 @@ class SimRobotNode(Node):
             "'float64_array': std_msgs/Float64MultiArray with the 3 target positions (joint_1..joint_3); "
             "'joint_state': sensor_msgs/JointState with target positions by joint name.")
         seed = int(declare("seed", 0, "Seed of the episodes (cube colours, places, named cube)."))
+        enable_service = declare(
+            "enable_service", "/oxygen/enable",
+            "SetBool service of the action output: switched off while the scene is reset and on again when "
+            "the episode starts, as an operator would (real-time chunking then continues no chunk across a "
+            "reset); empty: never switched.")
         episode_s = float(declare("episode_s", 4.0, "Time limit of an episode, s."))
 
         problems = []
@@ -126,6 +134,8 @@ class SimRobotNode(Node):
         else:
             self._command_sub = self.create_subscription(
                 JointState, command_topic, self._on_joint_state_command, command_qos)
+        self._reset_switch = ResetSwitch()
+        self._enable_client = self.create_client(SetBool, enable_service) if enable_service else None
         self._camera_timer = self.create_timer(1.0 / camera_rate, self._publish_images)
         self._state_timer = self.create_timer(1.0 / state_rate, self._publish_state)
         # The task is an event; repeated every 5 s so a subscriber that joins late still gets it.
@@ -141,11 +151,31 @@ class SimRobotNode(Node):
     # ------------------------------------------------------------------ callbacks (thin)
 
     def _advance(self) -> None:
-        finished = len(self.world.outcomes)
+        finished, running = len(self.world.outcomes), self.world.running
         if self.world.advance(time.monotonic()):
             self._publish_prompt()
         for outcome in self.world.outcomes[finished:]:      # the ROS-path evaluation reads these lines
             self.get_logger().info(outcome.line())
+        if self.world.running != running:
+            self._switch_output(self._reset_switch.on_phase_change(
+                self.world.running, self.get_clock().now().nanoseconds * 1e-9, self.last_command_time))
+
+    def _switch_output(self, on: bool | None) -> None:
+        if on is None or self._enable_client is None:
+            return
+        if not self._enable_client.service_is_ready():
+            self.get_logger().warning(f"no {self._enable_client.srv_name} service: the action output is not "
+                                      f"switched {'on' if on else 'off'}", throttle_duration_sec=_WARN_THROTTLE_S)
+            self._reset_switch.switched_off = False
+            return
+        future = self._enable_client.call_async(SetBool.Request(data=on))   # never wait in a callback
+
+        def answered(f):
+            response = f.result()
+            if response is None or not response.success:
+                self.get_logger().warning(f"action output not switched {'on' if on else 'off'}: "
+                                          f"{response.message if response else f.exception()}")
+        future.add_done_callback(answered)
 
     def _on_array_command(self, msg: Float64MultiArray) -> None:
         self._accept(lambda: self.world.set_command(msg.data))

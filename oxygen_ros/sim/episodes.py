@@ -11,6 +11,10 @@ holding the newest joint command. Each episode has two phases:
   (success) or after `episode_s` (failure), and the next ready phase starts.
 Episode k's layout and named cube are drawn from seed (seed, k), as the in-process evaluation draws its
 episode k (oxygen_ros/eval.py): the same seed gives the same scenes on both paths.
+
+Around each ready phase the node switches the policy's output off and on again (ResetSwitch), as an
+operator resetting a scene does: the engine then knows the chunks are not played, and real-time chunking
+does not continue them across the reset (docs/rtc.md).
 """
 from __future__ import annotations
 
@@ -46,6 +50,28 @@ class EpisodeTally:
 
     def line(self) -> str:
         return f"{self.successes}/{self.episodes} touched"
+
+
+class ResetSwitch:
+    """When to switch the robot's action output off and on around the scene's resets (no ROS here).
+
+    A reset begins (running -> ready): switch the output off, if it is on; that is judged from the commands
+    (one within `on_within_s`): an output someone else switched off stays off. The episode starts (ready ->
+    running): switch it back on, only if this switched it off."""
+
+    def __init__(self, on_within_s: float = 0.25):
+        self.on_within_s = on_within_s
+        self.switched_off = False
+
+    def on_phase_change(self, running: bool, now: float, last_command: float | None) -> bool | None:
+        """The switch to make now (False: off, True: on) or None. `now` and `last_command`: one clock, s."""
+        if not running:
+            self.switched_off = last_command is not None and now - last_command <= self.on_within_s
+            return False if self.switched_off else None
+        if self.switched_off:
+            self.switched_off = False
+            return True
+        return None
 
 
 class ReachEpisodes:

@@ -19,10 +19,12 @@ guided (model/rtc.py) toward that chunk's rows for the same times:
   rows the new chunk plays: the guidance does not make a guided row equal to its target (92% of the way
   with LeRobot's correction at 10 steps; docs/rtc.md), so pinning only the d rows that never play from the
   new chunk leaves a step at the take-over;
-- no guidance (plain denoising, bit for bit) without a playing chunk (also after `restart`: the robot's
-  output was off, its publisher says so on enabling), when it has no row left for the new chunk, when d is
-  0 (nothing plays while the chunk computes), or for a robot added without RTC (a socket client plays each
-  chunk open-loop for its own number of rows, not the newest chunk at once).
+- no guidance (plain denoising, bit for bit) without a delivered chunk, when it has no row left for the new
+  chunk, when d is 0 (nothing plays while the chunk computes), while the robot's output is off (`set_playing`:
+  its publisher says so; nothing plays the chunks, the robot stays where it is or is moved by someone else,
+  so continuing them would lead from where it is not: each is planned from its state, and RTC continues the
+  last of them, the one that plays first, when the output is back on), or for a robot added without RTC (a
+  socket client plays each chunk open-loop for its own number of rows, not the newest chunk at once).
 """
 from __future__ import annotations
 
@@ -77,6 +79,7 @@ class ActionsTask:
         self._played: dict[str, _Played] = {}
         self._latency: dict[str, collections.deque] = {}   # per robot, recent cycle start -> chunk ready (s)
         self._unguided: set[str] = set()                   # robots added without RTC (set_rtc)
+        self._idle: set[str] = set()                       # robots whose output is off (set_playing)
         # Replay (record/replay.py): the delay each recorded chunk was made with, for the next cycle's chunks
         # (0: plain), instead of the one predicted from this process's timing.
         self.replayed_delay: int | None = None
@@ -121,7 +124,7 @@ class ActionsTask:
     def _guide(self, f: Frame, start: float) -> tuple[rtc.RowGuide | None, int | None]:
         """(guide, delay in rows) of a frame's chunk, or (None, None): see the module docstring."""
         played = self._played.get(f.robot)
-        if played is None or f.robot in self._unguided:
+        if played is None or f.robot in self._unguided or f.robot in self._idle:
             return None, None
         previous, horizon, dim = played.chunk.model_actions, *played.chunk.model_actions.shape
         offset = played.chunk.plan.row_at(f.prepared.stamp)
@@ -173,10 +176,10 @@ class ActionsTask:
         observation with `state` (robot units); its next chunk continues it, as in the recorded run."""
         self._played[robot] = _Played(chunk, preparer.io.model_state(np.asarray(state, dtype=np.float64)))
 
-    def restart(self, robot: str) -> None:
-        """The robot has not been playing its chunks (its output was off): RTC must not continue them, the
-        robot is not where they lead. Its next chunk is plain, from its state; RTC resumes after it."""
-        self._played.pop(robot, None)
+    def set_playing(self, robot: str, playing: bool) -> None:
+        """Whether the robot plays its chunks (its publisher's output is on). While it does not, its chunks are
+        plain (module docstring)."""
+        (self._idle.discard if playing else self._idle.add)(robot)
 
     def forget(self, robot: str | None = None) -> None:
         """Drop a robot's latest chunk (every robot's: the safe stop, which keeps their RTC settings), so that
@@ -187,3 +190,4 @@ class ActionsTask:
             for d in (self.latest, self._played, self._latency):
                 d.pop(robot, None)
             self._unguided.discard(robot)
+            self._idle.discard(robot)
