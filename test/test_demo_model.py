@@ -241,6 +241,25 @@ def test_policy_rollouts_are_labelled_by_the_expert(tmp_path, capsys):
     assert refused.value.code == 2 and "no model.safetensors there" in capsys.readouterr().err
 
 
+def test_policy_rollouts_run_rtc_as_the_checkpoint_is_meant_to(monkeypatch):
+    """A checkpoint trained with prefix conditioning rolls out execution rtc by prefix conditioning (the
+    states it reaches when run so), any other by the engine's default correction."""
+    import oxygen_ros.eval as evaluation
+    from oxygen_ros.robot.configs import demo_checkpoint
+
+    used = set()
+
+    class Recording(evaluation.DelayedEngine):
+        def __init__(self, model, checkpoint, execution, delay, settings):
+            used.add((Path(checkpoint).name, settings.correction))
+            super().__init__(model, checkpoint, execution, delay, settings)
+    monkeypatch.setattr(evaluation, "DelayedEngine", Recording)
+    rtc_weights = demo_checkpoint("demo_rtc")
+    for checkpoint in (demo_checkpoint(), rtc_weights):
+        datagen.generate_policy_shard(3, 0, checkpoint, size=2)
+    assert used == {(demo_checkpoint().name, "error"), (rtc_weights.name, "prefix")}
+
+
 def test_the_shipped_rtc_weights_continue_the_given_rows_and_still_turn_to_the_named_cube():
     """demo_rtc, the demo model's expert fine-tuned on its own rollouts and with prefix conditioning
     (docs/rtc.md): given the first 6 rows of its own plain chunk, it continues them as planned; given 6 rows

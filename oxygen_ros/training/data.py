@@ -89,7 +89,9 @@ def generate_policy_shard(seed: int, shard: int, checkpoint: Path, size: int = S
     cfg = demo_model_config(checkpoint)
     torch.set_num_threads(1)
     model = build_model(cfg, str(checkpoint))
-    planners = {(e, d): DelayedEngine(model, checkpoint, e, d, RtcSettings())
+    # execution rtc as the checkpoint is meant to run it: prefix conditioning if trained for it
+    rtc = RtcSettings(correction="prefix") if cfg.prefix_conditioning else RtcSettings()
+    planners = {(e, d): DelayedEngine(model, checkpoint, e, d, rtc)
                 for e in POLICY_EXECUTIONS for d in range(POLICY_DELAY_MAX + 1)}
     scene = ReachScene(cfg.vision.image_size)
     out = {k: [] for k in ("image", "state", "chunk", "target", "colours", "positions", "tip")}
@@ -168,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--horizon", type=int, default=20)
     p.add_argument("--policy", type=Path, default=None,
-                   help="a checkpoint directory: its own rollouts (execution naive or rtc, delay 0..6 ticks), "
-                        "labelled by the expert (DAgger)")
+                   help="a checkpoint directory: its own rollouts (execution naive or rtc, delay 0..6 ticks; rtc "
+                        "by prefix conditioning if the checkpoint was trained for it), labelled by the expert (DAgger)")
     a = p.parse_args(argv)
     if a.policy is not None and not (a.policy / "model.safetensors").is_file():
         p.error(f"--policy {a.policy}: no model.safetensors there")
