@@ -242,6 +242,24 @@ def test_achieved_chunk_rate_and_deadline_misses_are_counted_per_robot(small_mod
     assert slow.stats.snapshot()["robots"]["r0"]["deadline_misses"] == 5
 
 
+def test_the_engine_node_configures_again_when_the_capacity_verdict_changes(tmp_path):
+    """Configured short of its chunk periods (a WARN), cleaned up, configured again fitting them (an INFO):
+    the second configure succeeds (rclpy refuses one logging call site whose severity changes)."""
+    from rclpy.parameter import Parameter
+
+    from ros_harness import engine_node_in_process, private_domain
+
+    with engine_node_in_process(tmp_path, "model: tiny\nkv_budget_mb: 8.0\nframe_cost_ms: 1000.0",
+                                private_domain(44)) as node:
+        node.trigger_configure()
+        assert node.engine is not None and node.capacity.short == [""]
+        node.trigger_cleanup()
+        node.set_parameters([Parameter("frame_cost_ms", value=1.0)])
+        node.trigger_configure()
+        assert node.engine is not None, node.failure
+        assert node.capacity.short == []
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_the_engine_node_warns_or_refuses_when_the_robots_would_not_fit(tmp_path, strict):
     """At configure the engine node predicts the capacity (here declared: 1 s per frame for a chunk of

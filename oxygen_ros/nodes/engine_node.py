@@ -357,7 +357,12 @@ class EngineNode(LifecycleNode):
             self.capacity = engine.capacity()      # measured on the model now (or frame_cost_ms declared)
         except ValueError as e:                    # strict_capacity
             raise ParameterError(str(e)) from None
-        (self.get_logger().warning if self.capacity.short else self.get_logger().info)(self.capacity.summary())
+        # One call site per severity: rclpy refuses a call site whose severity changes between calls, which
+        # failed the next configure when the verdict changed (load, another fleet).
+        if self.capacity.short:
+            self.get_logger().warning(self.capacity.summary())
+        else:
+            self.get_logger().info(self.capacity.summary())
         return engine
 
     # ------------------------------------------------------------------ diagnostics
