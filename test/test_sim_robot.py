@@ -186,6 +186,8 @@ def test_the_reset_switches_off_only_an_output_that_is_on_and_back_on_only_what_
     assert switch.on_phase_change(True, 20.7, 19.0) is None        # ...and it stays off
     assert switch.on_phase_change(False, 1.0, None) is None        # the first reset, before any command
     assert switch.on_phase_change(True, 1.7, None) is None
+    assert switch.on_phase_change(False, 30.0, 29.99, reachable=False) is False   # wanted, could not be made...
+    assert switch.on_phase_change(True, 30.7, 29.99) is None       # ...so nothing to switch back on
 
 
 # ------------------------------------------------------------------------------------------------ node

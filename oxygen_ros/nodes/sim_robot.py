@@ -156,19 +156,21 @@ class SimRobotNode(Node):
             self._publish_prompt()
         for outcome in self.world.outcomes[finished:]:      # the ROS-path evaluation reads these lines
             self.get_logger().info(outcome.line())
-        if self.world.running != running:
-            self._switch_output(self._reset_switch.on_phase_change(
-                self.world.running, self.get_clock().now().nanoseconds * 1e-9, self.last_command_time))
+        if self.world.running != running and self._enable_client is not None:
+            self._switch_output()
 
-    def _switch_output(self, on: bool | None) -> None:
-        if on is None or self._enable_client is None:
+    def _switch_output(self) -> None:
+        """The reset began or ended: switch the action output as ResetSwitch says (never waiting)."""
+        reachable = self._enable_client.service_is_ready()
+        on = self._reset_switch.on_phase_change(self.world.running, self.get_clock().now().nanoseconds * 1e-9,
+                                                self.last_command_time, reachable)
+        if on is None:
             return
-        if not self._enable_client.service_is_ready():
+        if not reachable:
             self.get_logger().warning(f"no {self._enable_client.srv_name} service: the action output is not "
                                       f"switched {'on' if on else 'off'}", throttle_duration_sec=_WARN_THROTTLE_S)
-            self._reset_switch.switched_off = False
             return
-        future = self._enable_client.call_async(SetBool.Request(data=on))   # never wait in a callback
+        future = self._enable_client.call_async(SetBool.Request(data=on))
 
         def answered(f):
             response = f.result()

@@ -63,11 +63,14 @@ class ResetSwitch:
         self.on_within_s = on_within_s
         self.switched_off = False
 
-    def on_phase_change(self, running: bool, now: float, last_command: float | None) -> bool | None:
-        """The switch to make now (False: off, True: on) or None. `now` and `last_command`: one clock, s."""
+    def on_phase_change(self, running: bool, now: float, last_command: float | None,
+                        reachable: bool = True) -> bool | None:
+        """The switch wanted now (False: off, True: on) or None. `now` and `last_command`: one clock, s.
+        `reachable`: whether the switch can be made now; an off that cannot is not switched back on."""
         if not running:
-            self.switched_off = last_command is not None and now - last_command <= self.on_within_s
-            return False if self.switched_off else None
+            off = last_command is not None and now - last_command <= self.on_within_s
+            self.switched_off = off and reachable
+            return False if off else None
         if self.switched_off:
             self.switched_off = False
             return True

@@ -46,23 +46,14 @@ def generate_shard(seed: int, shard: int, image_size: int, horizon: int,
         goal = inverse_kinematics(touch_point(layout.positions[target]))
         picks = set(rng.choice(EPISODE_STEPS, size=SAMPLES_PER_EPISODE, replace=False).tolist())
         replan = int(rng.integers(REPLAN_RANGE[0], REPLAN_RANGE[1] + 1))
-        colours = np.full(MAX_CUBES, -1)
-        colours[:len(layout.colours)] = [COLOUR_NAMES.index(c) for c in layout.colours]
-        positions = np.zeros((MAX_CUBES, 3))
-        positions[:len(layout.colours)] = layout.positions
+        truth = _scene_truth(layout, target)
         for step in range(EPISODE_STEPS):
             q = scene.joints()
             chunk = expert_chunk(q, goal, horizon)
             if step % replan == 0:
                 executed, offset = chunk, rng.normal(0.0, CHUNK_OFFSET_NOISE, size=3)
             if step in picks and len(out["image"]) < size:
-                out["image"].append(scene.render("base"))
-                out["state"].append(q)
-                out["chunk"].append(chunk)
-                out["target"].append(target)
-                out["colours"].append(colours)
-                out["positions"].append(positions)
-                out["tip"].append(scene.tip())
+                _add_sample(out, scene, q, chunk, truth)
             scene.step(executed[step % replan] + offset + rng.normal(0.0, COMMAND_NOISE, size=3))
     scene.close()
     return _arrays(out)
@@ -103,10 +94,7 @@ def generate_policy_shard(seed: int, shard: int, checkpoint: Path, size: int = S
         execution = POLICY_EXECUTIONS[int(rng.integers(len(POLICY_EXECUTIONS)))]
         delay = int(rng.integers(POLICY_DELAY_MAX + 1))
         replan = int(rng.integers(max(delay, REPLAN_RANGE[0]), REPLAN_RANGE[1] + 1))   # the evaluation's rule
-        colours = np.full(MAX_CUBES, -1)
-        colours[:len(layout.colours)] = [COLOUR_NAMES.index(c) for c in layout.colours]
-        positions = np.zeros((MAX_CUBES, 3))
-        positions[:len(layout.colours)] = layout.positions
+        truth = _scene_truth(layout, target)
         offset = np.zeros(3)
 
         def disturb(step: int, command: np.ndarray) -> np.ndarray:
@@ -116,19 +104,31 @@ def generate_policy_shard(seed: int, shard: int, checkpoint: Path, size: int = S
                 offset = rng.normal(0.0, CHUNK_OFFSET_NOISE, size=3)
             if step in picks and len(out["image"]) < size:
                 q = scene.joints()
-                out["image"].append(scene.render("base"))
-                out["state"].append(q)
-                out["chunk"].append(expert_chunk(q, goal, cfg.action_horizon))
-                out["target"].append(target)
-                out["colours"].append(colours)
-                out["positions"].append(positions)
-                out["tip"].append(scene.tip())
+                _add_sample(out, scene, q, expert_chunk(q, goal, cfg.action_horizon), truth)
             return command + offset + rng.normal(0.0, COMMAND_NOISE, size=3)
 
         run_delayed_episode(scene, layout, target, planners[(execution, delay)], task_prompt(layout.colours[target]),
                             rng, POLICY_EPISODE_STEPS, replan, delay, execution, 0, disturb, stop_at_touch=False)
     scene.close()
     return _arrays(out)
+
+
+def _scene_truth(layout: Layout, target: int) -> dict[str, np.ndarray | int]:
+    """A sample's ground truth of its scene: the named cube, colour indices and positions padded to MAX_CUBES."""
+    colours = np.full(MAX_CUBES, -1)
+    colours[:len(layout.colours)] = [COLOUR_NAMES.index(c) for c in layout.colours]
+    positions = np.zeros((MAX_CUBES, 3))
+    positions[:len(layout.colours)] = layout.positions
+    return {"target": target, "colours": colours, "positions": positions}
+
+
+def _add_sample(out: dict[str, list], scene: ReachScene, state: np.ndarray, chunk: np.ndarray, truth: dict) -> None:
+    out["image"].append(scene.render("base"))
+    out["state"].append(state)
+    out["chunk"].append(chunk)
+    for k, v in truth.items():
+        out[k].append(v)
+    out["tip"].append(scene.tip())
 
 
 def _arrays(out: dict[str, list]) -> dict[str, np.ndarray]:
