@@ -6,7 +6,10 @@
 
 One process (oxygen_bringup) composes the engine and the observation, action and conversation nodes,
 so language requests reach the frame KV cache through in-process handles; `robot` picks
-config/<robot>.yaml, `params_file` overrides it (checkpoint, tokenizer, topics...).
+config/<robot>.yaml, `params_file` overrides it (checkpoint, tokenizer, topics...). Both reach oxygen_bringup
+as its --robot and --params-file, so its checks apply before anything starts: an unknown node section or
+parameter, a wrong type or bound, unparsable YAML, a missing file or a port in use is one line each, and the
+process exits with status 2 (docs/robots.md, "Starting it").
 """
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, OpaqueFunction

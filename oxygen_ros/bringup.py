@@ -19,6 +19,7 @@ releases the device; then ROS.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -46,9 +47,13 @@ def parse_args(argv):
                         help="leave oxygen_engine unconfigured: a lifecycle manager drives its transitions")
     parser.add_argument("--threads", type=int, default=10,
                         help="threads of the services executor (streaming goals hold one each)")
+    from .param_files import split_ros_args
     from .serve.cli import add_bringup_arguments, bringup_problems
     add_bringup_arguments(parser)
-    args, ros_args = parser.parse_known_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    ros_args, stray = split_ros_args(rest)
+    if stray:                   # else rclpy.init raised UnknownROSArgsError (a traceback) after the imports
+        parser.error(f"unrecognized arguments: {' '.join(stray)} (ROS arguments follow --ros-args)")
     if args.demo and args.robot is None:
         args.robot = "demo"
     for problem in bringup_problems(args):
@@ -76,6 +81,20 @@ def status_line(engine, robots: list) -> str:
             f"{s['tokens_per_s']:6.1f} tok/s | requests {s['active_requests']} active {s['queued_requests']} queued | "
             f"KV {s['pool_blocks_used']}/{s['pool_blocks_total']} | dropped {s['dropped_frames']} | "
             f"faults {s['faults']}")
+
+
+def late_warning(engine, late_before: int) -> tuple[str, int]:
+    """(the status line's warning, the late-chunk count now): chunks that came after their deadline (their
+    frame older than the chunk period) since the previous line, with the machine's load average, which says
+    whether the engine is too slow or waits for a CPU that other processes hold. Empty when none came late."""
+    late = sum(robot["deadline_misses"] for robot in engine.stats.snapshot()["robots"].values())   # the "late"s
+    if late <= late_before:
+        return "", late
+    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    why = (f"the machine is busy (load average {load:.1f} on {cpus} CPUs): the engine waits for a CPU"
+           if load > cpus else f"load average {load:.1f} on {cpus} CPUs")
+    return (f" | WARNING {late - late_before} chunks late: their frames were older than the chunk period "
+            f"({1e3 * engine.info.chunk_period_s:.0f} ms); {why}"), late
 
 
 class Executors:
@@ -352,7 +371,32 @@ def _shared_inputs(robots: list[RobotNodes]) -> list[str]:
     return problems
 
 
+def startup_refusal(args, files: list[str], ros_args: list[str]) -> str:
+    """Why the process must not start, found before rclpy reads the files and before the model loads (empty:
+    nothing): every problem with the parameters (param_files.py), then every server port that cannot be
+    bound, each one line."""
+    from .console.console_node import PARAMS as CONSOLE
+    from .param_files import Given, PortUse, check, port_problems
+
+    given = [Given("--console", "oxygen_console", "port", args.console)] if args.console is not None else []
+    report = check(files, ros_args, given)
+    lines = ["oxygen_bringup: refusing to start, bad parameters:\n  " + "\n  ".join(report.problems)] \
+        if report.problems else []
+    console = dict({p.name: p.default for p in CONSOLE}, **report.values("oxygen_console"))
+    ports = [PortUse("--openpi-port", args.openpi_host, args.openpi_port or 0)]
+    if type(console["port"]) is int and isinstance(console["host"], str):     # else a problem listed above
+        ports.append(PortUse("--console" if args.console else "oxygen_console.port", console["host"], console["port"]))
+    lines += [f"oxygen_bringup: refusing to start: {line}" for line in port_problems(ports)]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .serve.cli import INTERRUPTED, stop_on_signals
+
+    # SIGINT/SIGTERM from here on: the orderly stop below. Installed before the imports (torch: seconds) and
+    # the model load, so that a signal during either ends the start cleanly once the load is over, instead of
+    # raising KeyboardInterrupt through an import or the lifecycle transition.
+    stop = stop_on_signals("oxygen_bringup")
     args, ros_args = parse_args(sys.argv[1:] if argv is None else argv)
     import rclpy
     from rclpy.signals import SignalHandlerOptions
@@ -375,15 +419,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"oxygen_bringup: robot config {files[0]}", flush=True)
     if args.robot == "demo":
         files.insert(1, str(demo_weights_params()))
+    refusal = startup_refusal(args, files, ros_args)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     rcl_args = ["oxygen_bringup", "--ros-args"] + [a for f in files for a in ("--params-file", f)]
     rcl_args += [a for a in ros_args if a != "--ros-args"]
     sys.setswitchinterval(0.001)
-    # SIGINT/SIGTERM from here on: the orderly stop below (the first one; more are ignored). Installed before
-    # the model loads, so that a signal during the load stops the process once the load is over instead of
-    # raising KeyboardInterrupt through the lifecycle transition.
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     rclpy.init(args=rcl_args, signal_handler_options=SignalHandlerOptions.NO)
     executors = Executors(args.threads)
     engine_node = EngineNode(attach=lambda engine: ProcessNodes(engine, executors, engine_node, args.record,
@@ -401,14 +443,16 @@ def main(argv: list[str] | None = None) -> int:
                 print("oxygen_bringup: refusing to start, bad parameters:\n  " + "\n  ".join(problems),
                       file=sys.stderr)
                 return 2
-            if not stop.is_set():          # Ctrl-C during the load: no activation, straight to the shutdown
-                engine_node.trigger_activate()
-                from .serve.cli import start_for_bringup
-                try:
-                    openpi = start_for_bringup(engine_node.engine, args)       # None without --openpi-port
-                except (ValueError, OSError) as e:
-                    print(f"oxygen_bringup: refusing to start, openpi server: {e}", file=sys.stderr)
-                    return 2
+            if stop.is_set():              # Ctrl-C during the load: nothing was started
+                print("oxygen_bringup: interrupted while starting: stopped before running", flush=True)
+                return INTERRUPTED
+            engine_node.trigger_activate()
+            from .serve.cli import start_for_bringup
+            try:
+                openpi = start_for_bringup(engine_node.engine, args)       # None without --openpi-port
+            except (ValueError, OSError) as e:
+                print(f"oxygen_bringup: refusing to start, openpi server: {e}", file=sys.stderr)
+                return 2
         if args.demo:
             from .nodes.demo_client import DemoClient, SceneQuestions
             from .nodes.sim_robot import SimRobotNode
@@ -421,9 +465,11 @@ def main(argv: list[str] | None = None) -> int:
         executors.start()
         how = ("managed: waiting for lifecycle transitions on /oxygen_engine/change_state" if args.managed
                else "Ctrl-C stops")
+        stop.running = True
         print(f"oxygen_bringup: running ({', '.join(n.get_name() for n in nodes)}); {how}", flush=True)
         start = time.monotonic()
         next_status = start + args.status_period
+        late = 0
         while not stop.is_set() and not stop.wait(0.1):
             now = time.monotonic()
             if args.duration and now - start >= args.duration:
@@ -431,13 +477,18 @@ def main(argv: list[str] | None = None) -> int:
             if args.status_period and now >= next_status:
                 attached = engine_node.attached
                 if attached is not None and engine_node.state_label == "active":
+                    warning, late = late_warning(engine_node.engine, late)
                     print(status_line(engine_node.engine, attached.robots)
                           + (f" | {openpi.status()}" if openpi else "")
-                          + (f" | {sim.status()}" if args.demo else ""), flush=True)
+                          + (f" | {sim.status()}" if args.demo else "") + warning, flush=True)
                 else:
                     print(f"[status] oxygen_engine {engine_node.state_label}", flush=True)
                 next_status += args.status_period
-        # Safe shutdown order: no more commands, then the engine lets go of the device, then ROS.
+        # Safe shutdown order: the demo's robot and client leave first (they would report the action output's
+        # and the conversation's services going away: warnings at every stop), no more commands, then the
+        # engine lets go of the device, then ROS.
+        for node in nodes[1:]:
+            executors.other.remove_node(node)
         if openpi:
             openpi.stop()
         if engine_node.state_label != "finalized":

@@ -3,6 +3,7 @@ or through the whole ROS path (--ros).
 
     python -m oxygen_ros.eval --episodes 50 --json eval.json
     python -m oxygen_ros.eval --ros --episodes 30 --json eval_ros.json
+    python -m oxygen_ros.eval --frameless --episodes 12      # language without frames (180 questions)
 
 For each seeded episode (a random layout of 2-3 cubes and a random named cube): the scripted expert, then
 the model under each engine policy (isolated, shared_kv, oxygen: the same episodes, the same noise), then
@@ -40,7 +41,7 @@ import yaml
 from oxygen_ros.engine.engine import POLICIES, ChunkResult, EngineConfig
 from oxygen_ros.robot.configs import demo_checkpoint
 from oxygen_ros.engine.factory import build_engine, build_model, model_config
-from oxygen_ros.engine.requests import TextRequest
+from oxygen_ros.engine.requests import Reply, TextRequest
 from oxygen_ros.engine.tasks.actions import PREFIX_UNTRAINED
 from oxygen_ros.model import rtc
 from oxygen_ros.model.checkpoint import checkpoint_settings
@@ -72,12 +73,21 @@ class EnginePolicy:
         return self.engine.latest_chunk().plan.actions
 
     def ask(self, image: np.ndarray, state: np.ndarray, prompt: str, questions: list[str],
-            max_tokens: int = 16) -> list[str]:
+            max_tokens: int = 16) -> tuple[list[Reply], int]:
+        """The questions, then the frame they are about, then cycles without a frame until every one has
+        ended (a reply, or its timeout): (the replies, the frame-less cycles it took)."""
         handles = [self.engine.submit(TextRequest(q, max_tokens=max_tokens)) for q in questions]
         self.engine.run_cycle(Observation(0.0, {CAMERA_SLOT: image}, {CAMERA_SLOT: True}, state, prompt))
+        cycles = 0
         while not all(h.done() for h in handles):
             self.engine.run_cycle(None)
-        return [h.result().text.strip() for h in handles]
+            cycles += 1
+        return [h.result() for h in handles], cycles
+
+
+def answer_text(reply: Reply) -> str | None:
+    """A reply's answer, or None when the question got none (timeout, error: not a wrong answer)."""
+    return reply.text.strip() if reply.success else None
 
 
 @dataclass
@@ -147,7 +157,8 @@ def evaluate(episodes: int, seed: int = 0, steps: int = 210, replan: int = 10, p
     scene = ReachScene(cfg.vision.image_size)
     h, dim = cfg.action_horizon, cfg.action_dim
     results = {p: [] for p in engines}
-    expert, swap, answers = [], [], []
+    expert, swap, answers = [], [], []          # answers: (question, reply text or None: no reply)
+    unanswered = []                              # questions that got no reply (timeout, error): not wrong answers
     max_chunk_diff = 0.0
     start = time.monotonic()
     for ep in range(episodes):
@@ -177,12 +188,16 @@ def evaluate(episodes: int, seed: int = 0, steps: int = 210, replan: int = 10, p
         if questions:
             scene.reset(layout)
             asked = scene_questions(layout, scene.tip(), rng)
-            replies = engines[main].ask(scene.render("base"), scene.joints(), prompt, [q.text for q in asked])
-            answers += [(q, r) for q, r in zip(asked, replies)]
+            replies, _ = engines[main].ask(scene.render("base"), scene.joints(), prompt, [q.text for q in asked])
+            answers += [(q, answer_text(r)) for q, r in zip(asked, replies)]
+            unanswered += [{"question": q.text, "finish_reason": r.finish_reason, "error": r.error}
+                           for q, r in zip(asked, replies) if not r.success]
+        last = answers[-len(asked):] if questions else []
         log(f"[eval] episode {ep + 1}/{episodes}: {prompt!r} ({len(layout.colours)} cubes) "
             + " ".join(f"{p}={'ok' if results[p][-1].success else 'FAIL'}" for p in engines)
             + f" swap={'ok' if swap[-1].success else 'FAIL'}"
-            + (f" answers {sum(q.answer == r for q, r in answers[-7:])}/7" if questions else ""))
+            + (f" answers {sum(q.answer == r for q, r in last)}/{len(last)}" if questions else "")
+            + (f" ({sum(r is None for _, r in last)} unanswered)" if any(r is None for _, r in last) else ""))
 
     def rate(rs):
         return float(np.mean([r.success for r in rs])) if rs else 0.0
@@ -192,15 +207,20 @@ def evaluate(episodes: int, seed: int = 0, steps: int = 210, replan: int = 10, p
         return float(np.mean(ok)) if ok else None
 
     kinds = sorted({q.kind for q, _ in answers})
+    replied = [(q, r) for q, r in answers if r is not None]
     out = {
         "episodes": episodes, "seed": seed, "steps": steps, "replan": replan, "control_hz": 70,
         "success_rate": rate(results[main]),
         "expert_success_rate": rate(expert),
         "swap_success_rate": rate(swap),
-        "answer_accuracy": float(np.mean([q.answer == r for q, r in answers])) if answers else None,
-        "chance_accuracy": float(np.mean([q.chance for q, _ in answers])) if answers else None,
-        "answer_accuracy_by_kind": {k: float(np.mean([q.answer == r for q, r in answers if q.kind == k]))
-                                    for k in kinds},
+        # accuracy over the questions replied to; those without a reply are counted apart (questions_unanswered)
+        "answer_accuracy": float(np.mean([q.answer == r for q, r in replied])) if replied else None,
+        "chance_accuracy": float(np.mean([q.chance for q, _ in replied])) if replied else None,
+        "answer_accuracy_by_kind": {k: float(np.mean([q.answer == r for q, r in replied if q.kind == k]))
+                                    for k in kinds if any(q.kind == k for q, _ in replied)},
+        "questions_asked": len(answers),
+        "questions_unanswered": len(unanswered),
+        "unanswered": unanswered[:20],
         "policies": {p: {"success_rate": rate(rs), "mean_steps_to_touch": mean_steps(rs),
                          "touched_other_first": float(np.mean([r.touched_other for r in rs])),
                          "failures_final_distance_cm": sorted(round(r.final_distance * 100, 1)
@@ -208,13 +228,57 @@ def evaluate(episodes: int, seed: int = 0, steps: int = 210, replan: int = 10, p
                      for p, rs in results.items()},
         "max_action_difference_across_policies": max_chunk_diff,
         "expert_mean_steps_to_touch": mean_steps(expert),
-        "wrong_answers": [{"question": q.text, "answer": q.answer, "reply": r} for q, r in answers
+        "wrong_answers": [{"question": q.text, "answer": q.answer, "reply": r} for q, r in replied
                           if q.answer != r][:20],
         "wall_s": round(time.monotonic() - start, 1),
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread",
     }
     scene.close()
     return out
+
+
+# ---------------------------------------------------------------------------------- language without frames
+# Issue 33: after a few frames, FRAMELESS_SHORT short questions and one of the longest length allowed, asked
+# about the frame that follows them, then only cycles without a frame (a paused camera, a client waiting for
+# its reply). Every question must end by itself (EOS, stop, length), none by its timeout.
+
+FRAMELESS_SHORT = 14
+
+
+def frameless_check(episodes: int, seed: int = 1000, checkpoint: Path | None = None, log=print) -> dict:
+    """Per scene a fresh engine (its cost model learns from nothing, as after a start), three frames, then
+    the scene's questions repeated to FRAMELESS_SHORT and one of max_question_chars characters."""
+    torch.set_num_threads(1)
+    checkpoint = Path(checkpoint or demo_checkpoint())
+    cfg = demo_model_config(checkpoint)
+    model = build_model(cfg, str(checkpoint))
+    scene = ReachScene(cfg.vision.image_size)
+    reasons: dict[str, int] = {}
+    stuck, cycles, start = [], [], time.monotonic()
+    for ep in range(episodes):
+        episode = draw_episode(seed, ep)
+        policy = EnginePolicy("oxygen", model, checkpoint)
+        scene.reset(episode.layout)
+        image, state = scene.render("base"), scene.joints()
+        for i in range(3):
+            policy.act(image, state, episode.prompt, np.zeros((cfg.action_horizon, cfg.action_dim), np.float32), 0.1 * i)
+        texts = [q.text for q in scene_questions(episode.layout, scene.tip(), episode.rng)]
+        limit = policy.engine.config.max_question_chars
+        texts = (texts * FRAMELESS_SHORT)[:FRAMELESS_SHORT] + [((" ".join(texts) + " ") * limit)[:limit]]
+        replies, n = policy.ask(image, state, episode.prompt, texts)
+        cycles.append(n)
+        for text, r in zip(texts, replies):
+            reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
+            if not r.success:
+                stuck.append({"episode": ep, "question_chars": len(text), "finish_reason": r.finish_reason,
+                              "error": r.error})
+        log(f"[frameless] scene {ep + 1}/{episodes}: {sum(r.success for r in replies)}/{len(replies)} replied "
+            f"after {n} cycles without a frame")
+    scene.close()
+    return {"scenes": episodes, "seed": seed, "questions": episodes * (FRAMELESS_SHORT + 1),
+            "questions_stuck": len(stuck), "stuck": stuck[:20], "finish_reasons": reasons,
+            "frameless_cycles_max": max(cycles), "frameless_cycles_mean": float(np.mean(cycles)),
+            "wall_s": round(time.monotonic() - start, 1)}
 
 
 # ---------------------------------------------------------------------------------- execution under delay
@@ -553,7 +617,8 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
                    f"{','.join(map(str, EXECUTION_DELAYS))}): a chunk observed at tick t is first used at t + d")
     g.add_argument("--execution", default=None, help=f"comma-separated, of {', '.join(EXECUTIONS)} (default all)")
     g.add_argument("--blend-steps", type=int, default=5, help="ticks of linear blending (execution blend)")
-    g.add_argument("--rtc-schedule", default=RtcSettings.schedule, choices=rtc.SCHEDULES)
+    g.add_argument("--rtc-schedule", default=RtcSettings.schedule, choices=rtc.SCHEDULES,
+                   help=f"prefix weights of the rows still to play (default {RtcSettings.schedule})")
     g.add_argument("--rtc-beta", type=float, default=RtcSettings.max_guidance, help="guidance weight clip")
     g.add_argument("--rtc-horizon", type=int, default=RtcSettings.execution_horizon,
                    help="row where the RTC weights end (LeRobot's execution_horizon; 0: the chunk's horizon, the "
@@ -609,21 +674,26 @@ def print_json(out: dict, path: Path | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Evaluate the demo model closed-loop in MuJoCo through the engine.")
-    p.add_argument("--episodes", type=int, default=50)
+    p = argparse.ArgumentParser(prog="python -m oxygen_ros.eval",
+                                description="Evaluate the demo model closed-loop in MuJoCo through the engine.")
+    p.add_argument("--episodes", type=int, default=50, help="episodes per seed and setting (default 50)")
     p.add_argument("--seed", default="1000", help="episode seeds (training data uses 0); comma-separated seeds "
                    "pool --episodes of each (in-process --execution only)")
     p.add_argument("--steps", type=int, default=210, help="control ticks per episode (70 Hz)")
     p.add_argument("--replan", type=int, default=10, help="ticks executed from each chunk")
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"comma-separated serving policies to evaluate, of {', '.join(POLICIES)} (default all)")
     p.add_argument("--checkpoint", type=Path, default=None, help="default: the shipped demo weights")
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None, help="also write the results (printed as JSON) to this file")
     p.add_argument("--strip", type=Path, default=None, help="PNG: frames of the first episode (README picture)")
     p.add_argument("--ros", action="store_true",
                    help="through oxygen_bringup --demo and the simulated robot node (ROS 2), in wall time")
     add_execution_arguments(p)
     p.add_argument("--openpi", action="store_true",
                    help="through oxygen_serve --robot demo and openpi-client's Runtime (serve/eval_openpi.py)")
+    p.add_argument("--frameless", action="store_true",
+                   help="language without frames: per scene (--episodes) 15 questions, one of the longest length, "
+                        "then cycles without a frame; exit status 1 when one ends without a reply")
     a = p.parse_args(argv)
     try:
         a.seeds = tuple(int(x) for x in a.seed.split(","))
@@ -637,6 +707,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.openpi and (a.ros or a.delay_ticks is not None or a.execution is not None):
         p.error("--openpi runs the demo through openpi-client's Runtime as served: not with --ros, "
                 "--delay-ticks or --execution")
+    if a.frameless:
+        if a.ros or a.openpi or a.delay_ticks is not None or a.execution is not None or len(a.seeds) > 1:
+            p.error("--frameless runs in process on its own: not with --ros, --openpi, --delay-ticks, --execution "
+                    "or several --seed values")
+        out = frameless_check(a.episodes, a.seed, a.checkpoint)
+        print_json(out, a.json)
+        return 1 if out["questions_stuck"] else 0
     if a.delay_ticks is not None or a.execution is not None:
         return execution_main(p, a)
     if a.ros and (a.strip or a.replan != 10 or a.policies != ",".join(POLICIES)):

@@ -12,6 +12,8 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PKG="$ROOT/oxygen_interfaces"
+# shellcheck source=scripts/progress.sh
+. "$ROOT/scripts/progress.sh"
 FORCE=0
 [[ "${1:-}" == "--force" ]] && FORCE=1
 
@@ -25,6 +27,7 @@ STAMP="$VIRTUAL_ENV/share/oxygen_interfaces/.source_hash"
 now() { date +%s.%N; }
 elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 T0="$(now)"
+LOG="$VIRTUAL_ENV/.oxygen_stamps/logs/oxygen_interfaces.log"
 
 # Hash of everything that determines the build output (paths + contents, stable order).
 src_hash() {
@@ -45,7 +48,7 @@ EOF
 }
 
 if [[ $FORCE == 0 && -f "$STAMP" && "$(cat "$STAMP")" == "$HASH" ]] && importable; then
-  echo "oxygen_interfaces up to date ($(elapsed "$T0") s)"
+  say "oxygen_interfaces up to date ($(elapsed "$T0") s)"
   exit 0
 fi
 
@@ -98,25 +101,28 @@ cmake_ok() {
 cmake_ok || BUILD_REQS="$BUILD_REQS cmake>=3.21,<4"
 command -v ninja >/dev/null || BUILD_REQS="$BUILD_REQS ninja"
 
-echo "oxygen_interfaces: installing build requirements: $BUILD_REQS"
-T1="$(now)"
 # shellcheck disable=SC2086
-"$PY" -m pip install -q $BUILD_REQS
-echo "oxygen_interfaces: build requirements ready ($(elapsed "$T1") s)"
-
-echo "oxygen_interfaces: building (cmake + rosidl) and installing into $VIRTUAL_ENV"
-T2="$(now)"
+run_step "oxygen_interfaces: installing its build requirements (ament, rosidl generators, cmake)" "$LOG" \
+  "$PY" -m pip install --progress-bar off $BUILD_REQS || {
+  explain_pip_failure "oxygen_interfaces' build requirements" "$LOG" >&2
+  exit 1
+}
+# The slow step (cmake + rosidl: half a minute to a few minutes): -v puts cmake's progress into the log,
+# which the progress lines quote.
 # --no-build-isolation: build with the venv's setuptools and the ROS build wheels installed above
 # (an isolated build env would reinstall setuptools each time and buys nothing here).
 # --force-reinstall: the version does not change when the .msg files do. --no-deps: runtime deps
 # come with ros-rclpy and must not be touched.
-"$PY" -m pip install -q --no-build-isolation --no-deps --force-reinstall "$PKG"
-echo "oxygen_interfaces: built and installed ($(elapsed "$T2") s)"
-
+run_step "oxygen_interfaces: building (cmake + rosidl: generates and compiles the message code) into .venv" "$LOG" \
+  "$PY" -m pip install -v --no-build-isolation --no-deps --force-reinstall "$PKG" || {
+  say "error: building oxygen_interfaces failed; the end of its log ($LOG):" >&2
+  tail -20 "$LOG" >&2
+  exit 1
+}
 if ! importable; then
   echo "build_interfaces.sh: oxygen_interfaces installed but does not import/load its type support" >&2
   exit 1
 fi
 mkdir -p "$(dirname "$STAMP")"
 echo "$HASH" > "$STAMP"
-echo "oxygen_interfaces: done ($(elapsed "$T0") s total)"
+say "oxygen_interfaces: done ($(elapsed "$T0") s in all)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared GPU check: one command on a machine with an NVIDIA GPU whose python3 has torch + triton
-# (tested against the device image: Python 3.12, torch 2.11, triton 3.6; no ROS, no network). It installs
+# (checked with Python 3.12, torch 2.11, triton 3.6; no ROS, no network needed). It installs
 # nothing into that python: the package is staged in a temporary folder (kernels/ placed as
 # oxygen_ros/kernels), so no pip/setuptools version matters. Wheels carried in .whl/ are unpacked into a
 # private site folder first. docs/gpu.md has the exact call and what to do with the results.
@@ -20,7 +20,7 @@
 # The random weights are built once on the CPU (a float64 RNG: the slow part), in the background while the
 # kernel steps run, and saved for both benches.
 #
-# Results, all under $OUT (default ./gpu_out; at most 8 files come back from a device run, here 5):
+# Results, all under $OUT (default ./gpu_out; 6 files):
 #   summary.json  environment (GPU, driver, versions, date) + each step's exit code, seconds and log tail,
 #                 rewritten after every step; steps.log  every step's full output;
 #   microbench.json, bench_<preset>.json, bench_<preset>_eager.json, fleet_<preset>.json.
@@ -52,7 +52,7 @@ fi
 
 # Stage the package: the repository's layout with kernels/ where the installed package has it. Tests find
 # the oracle cases at <stage>/../shared/oracle: the checkout's ../shared, or .gpu/oracle carried by
-# scripts/gpu_prepare.sh (../shared does not travel to a device machine).
+# scripts/gpu_prepare.sh (for a GPU machine that has the checkout only).
 STAGE="$WORK/src"
 mkdir -p "$STAGE" "$WORK/shared"
 cp -r "$ROOT/oxygen_ros" "$ROOT/test" "$STAGE/"
@@ -60,7 +60,7 @@ cp -r "$ROOT/kernels" "$STAGE/oxygen_ros/kernels"
 for oracle in "$ROOT/.gpu/oracle" "$ROOT/../shared/oracle"; do
   if [[ -d "$oracle" ]]; then ln -s "$oracle" "$WORK/shared/oracle"; break; fi
 done
-[[ -e "$WORK/shared/oracle" ]] || echo "WARNING: no oracle cases (.gpu/oracle: run scripts/gpu_prepare.sh and carry .gpu):" \
+[[ -e "$WORK/shared/oracle" ]] || echo "WARNING: no oracle cases (.gpu/oracle: run scripts/gpu_prepare.sh and copy .gpu along):" \
   "the oracle tests of kernel_tests will fail" | tee -a "$OUT/steps.log"
 cd "$STAGE"
 

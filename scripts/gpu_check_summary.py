@@ -1,6 +1,6 @@
 """summary.json of scripts/gpu_check.sh: the environment and each step's outcome, rewritten after every step
-(a run cut short still brings home what it did). Standard library only, plus torch/triton when importable:
-it must work on the device image as it is, and report a broken torch rather than fail with it."""
+(a run cut short still says what it did). Standard library only, plus torch/triton when importable: it
+must work on any GPU machine's python as it is, and report a broken torch rather than fail with it."""
 from __future__ import annotations
 
 import argparse
@@ -47,7 +47,7 @@ def environment(device: str, root: Path) -> dict:
 
 
 def _commit(root: Path) -> str | None:
-    """From git where the history is there, else what scripts/gpu_prepare.sh wrote for a device copy."""
+    """From git where the history is there, else what scripts/gpu_prepare.sh wrote for a copy without it."""
     commit = _run(["git", "-C", str(root), "rev-parse", "HEAD"])
     marker = root / ".gpu" / "commit"
     if commit is None and marker.exists():

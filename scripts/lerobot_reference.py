@@ -2,8 +2,8 @@
 
 Runs against LeRobot itself (not a dependency of this package; it needs Python 3.12):
 
-    python3.12 -m venv /work/side/lerobot061 && /work/side/lerobot061/bin/pip install 'lerobot[pi]==0.6.1'
-    /work/side/lerobot061/bin/python scripts/lerobot_reference.py --out test/data/lerobot_ref
+    python3.12 -m venv ../lerobot061 && ../lerobot061/bin/pip install 'lerobot[pi]==0.6.1'
+    ../lerobot061/bin/python scripts/lerobot_reference.py --out test/data/lerobot_ref
 
 For each case (a normalization_mapping, relative actions or not, camera sizes) it builds a pi05 config
 with random dataset statistics, LeRobot's pre/post-processors for it (make_pi05_pre_post_processors),
@@ -21,9 +21,22 @@ gets them as float32 like its dataset frames; image_<feature> uint8 [h, w, 3] at
 model_actions float32 [H, 32]) and LeRobot's outputs (state_normalized float32, state_tokens int64,
 pixels_<feature> float32 [S, S, 3] in [-1, 1], robot_actions float32 [H, action_dim]).
 
-The model weights are never built: only the image preprocessing method of PI05Policy runs (on a stand-in
-`self` holding the config). The PaliGemma tokenizer is replaced by a small offline one: only the prompt's
-text (which holds the discretised state) is compared, never token ids.
+The processor cases never build model weights: only the image preprocessing method of PI05Policy runs (on
+a stand-in `self` holding the config). Their PaliGemma tokenizer is replaced by a small offline one: only
+the prompt's text (which holds the discretised state) is compared, never token ids.
+
+--model-out (default test/data/lerobot_model): LeRobot's whole pi05 policy end to end, on a small
+random-weight checkpoint that LeRobot itself writes (PI05Policy.save_pretrained and its processors) and
+loads back (PI05Policy.from_pretrained, make_pre_post_processors): raw observation -> preprocessor ->
+predict_action_chunk with fixed noise -> postprocessor. LeRobot builds only its two Gemma sizes
+(gemma_300m/gemma_2b, with SigLIP-so400m and a 257152-token vocabulary: 3.3 B parameters, 13 GB in float32),
+so the script shrinks the sizes LeRobot reads (get_gemma_config, and the SigLIP/vocabulary fields of the
+PaliGemma config it builds) to MODEL_SIZES; every computation stays LeRobot's code. The PaliGemma tokenizer
+is the package's shipped small SentencePiece model (PaliGemma's special ids; BOS + text, padded right as
+the PaliGemma tokenizer does), so both sides see the same token ids. Written: LeRobot's directory
+(config.json, model.safetensors, processors) and reference.npz: the inputs (state float64, image uint8
+[h, w, 3], task, noise float32 [H, 32]), LeRobot's token ids and mask, its model-space actions [H, action_dim]
+and its robot actions [H, action_dim] (post-processed).
 """
 from __future__ import annotations
 
@@ -149,20 +162,177 @@ def make_case(name: str, out: Path, seed: int) -> None:
     print(f"{name}: {json.dumps(mapping)}, relative={relative}, cameras={cameras}")
 
 
+# ---------------------------------------------------------------------------------- the whole policy
+# Sizes of the small model (LeRobot's own code, these widths): the package's Pi05Config for it is in
+# test/test_lerobot_end_to_end.py. About 0.2 M parameters: the checkpoint stays under 1 MB.
+MODEL_SIZES = {
+    "vlm": dict(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16),
+    "expert": dict(width=32, depth=2, mlp_dim=64, num_heads=4, num_kv_heads=1, head_dim=16),
+    "vision": dict(hidden_size=32, num_hidden_layers=1, intermediate_size=64, num_attention_heads=2, patch_size=14),
+    "vocab_size": 1000,           # the shipped tokenizer's
+}
+MODEL_IMAGE = 56                  # 4x4 patches
+MODEL_CHUNK = 10
+MODEL_TOKENS = 48                 # tokenizer_max_length
+MODEL_STATE, MODEL_ACTION = 6, 6
+
+
+def shrink_lerobot_pi05() -> None:
+    """Make LeRobot's pi05 build MODEL_SIZES instead of gemma_2b/gemma_300m + SigLIP-so400m."""
+    from lerobot.policies.pi05 import modeling_pi05 as m
+
+    def gemma_config(variant: str):
+        return m.GemmaConfig(**MODEL_SIZES["vlm" if variant == "gemma_2b" else "expert"])
+
+    paligemma = m.PaliGemmaForConditionalGenerationWithPiGemma
+
+    def small_paligemma(config):
+        for k, v in MODEL_SIZES["vision"].items():
+            setattr(config.vision_config, k, v)
+        config.vision_config.projection_dim = MODEL_SIZES["vlm"]["width"]
+        config.text_config.vocab_size = MODEL_SIZES["vocab_size"]
+        config._vocab_size = MODEL_SIZES["vocab_size"]
+        return paligemma(config=config)
+
+    expert = m.PiGemmaForCausalLM
+
+    def small_expert(config):
+        config.vocab_size = MODEL_SIZES["vocab_size"]    # its text head, which pi05 never uses
+        return expert(config=config)
+
+    m.get_gemma_config = gemma_config
+    m.PaliGemmaForConditionalGenerationWithPiGemma = small_paligemma
+    m.PiGemmaForCausalLM = small_expert
+
+
+class _SentencePieceTokenizer:
+    """The PaliGemma tokenizer's call as LeRobot's TokenizerProcessorStep makes it, on a SentencePiece
+    model: BOS + the text's pieces, truncated and padded (id 0) on the right to max_length."""
+
+    path: Path | None = None
+
+    def __init__(self):
+        import sentencepiece as spm
+
+        self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
+
+    @classmethod
+    def from_pretrained(cls, name, *args, **kwargs):
+        return cls()
+
+    def __call__(self, text, max_length, truncation, padding, padding_side, return_tensors):
+        assert padding == "max_length" and padding_side == "right" and return_tensors == "pt"
+        texts = [text] if isinstance(text, str) else list(text)
+        ids = torch.zeros(len(texts), max_length, dtype=torch.long)
+        mask = torch.zeros(len(texts), max_length, dtype=torch.long)
+        for i, t in enumerate(texts):
+            row = ([self.sp.bos_id()] + self.sp.encode(t))[:max_length if truncation else None]
+            ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row), 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+@torch.no_grad()
+def random_weights(policy, seed: int) -> None:
+    """Deterministic weights with every parameter random (LeRobot's init leaves norms at 0 or 1 and biases
+    at 0): linear weights ~ N(0, 1/fan_in), SigLIP's LayerNorm scales 1 + N(0, 0.1), other vectors N(0, 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(policy.named_parameters()):
+        if p.ndim >= 2:
+            value = torch.randn(p.shape, generator=g) * (p[0].numel() ** -0.5)
+        elif "vision_tower" in name and ("layer_norm" in name or "layernorm" in name) and name.endswith("weight"):
+            value = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        else:
+            value = 0.1 * torch.randn(p.shape, generator=g)
+        p.copy_(value.to(p.dtype))
+
+
+def make_model_case(out: Path, tokenizer: Path, seed: int) -> None:
+    import lerobot
+    import lerobot.processor.tokenizer_processor as tokenizer_processor
+    from lerobot.configs import FeatureType, NormalizationMode, PolicyFeature
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.policies.factory import make_pre_post_processors
+    from lerobot.policies.pi05.configuration_pi05 import PI05Config
+    from lerobot.policies.pi05.modeling_pi05 import PI05Policy
+    from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors
+    from lerobot.policies.utils import prepare_observation_for_inference
+
+    shrink_lerobot_pi05()
+    _SentencePieceTokenizer.path = tokenizer
+    tokenizer_processor.AutoTokenizer = _SentencePieceTokenizer
+    rng = np.random.default_rng(seed)
+    camera = "observation.images.base"
+    config = PI05Config(
+        input_features={camera: PolicyFeature(FeatureType.VISUAL, (3, MODEL_IMAGE, MODEL_IMAGE)),
+                        "observation.state": PolicyFeature(FeatureType.STATE, (MODEL_STATE,))},
+        output_features={"action": PolicyFeature(FeatureType.ACTION, (MODEL_ACTION,))},
+        normalization_mapping={"VISUAL": NormalizationMode.IDENTITY, "STATE": NormalizationMode.QUANTILES,
+                               "ACTION": NormalizationMode.QUANTILES},
+        image_resolution=(MODEL_IMAGE, MODEL_IMAGE), chunk_size=MODEL_CHUNK, n_action_steps=MODEL_CHUNK,
+        tokenizer_max_length=MODEL_TOKENS, device="cpu", dtype="float32")
+    state_stats = dataset_stats(rng, MODEL_STATE)
+    # Robot actions of magnitude ~4-20 (q01 ~ 4, q99 ~ 20: the scale where the two time grids' difference
+    # was measured); the model's actions (noise minus the integrated velocity) reach beyond [-1, 1].
+    action_stats = dataset_stats(rng, MODEL_ACTION)
+    action_stats |= {"q01": 4.0 + rng.uniform(0, 1, MODEL_ACTION), "q99": 20.0 - rng.uniform(0, 1, MODEL_ACTION)}
+    stats = {"observation.state": state_stats, "action": action_stats, camera: image_stats(rng)}
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    torch.manual_seed(seed)
+    policy = PI05Policy(config)
+    random_weights(policy, seed)
+    policy.save_pretrained(out)
+    pre, post = make_pi05_pre_post_processors(config, dataset_stats=stats)
+    pre.save_pretrained(out)
+    post.save_pretrained(out)
+
+    # Served as LeRobot serves a checkpoint directory.
+    config = PreTrainedConfig.from_pretrained(out)
+    policy = PI05Policy.from_pretrained(out, config=config).eval()
+    pre, post = make_pre_post_processors(config, pretrained_path=str(out))
+
+    state = state_stats["q01"] + rng.uniform(0, 1, MODEL_STATE) * (state_stats["q99"] - state_stats["q01"])
+    image = rng.integers(0, 256, (48, 80, 3), dtype=np.uint8)
+    noise = rng.standard_normal((MODEL_CHUNK, config.max_action_dim)).astype(np.float32)
+    observation = {"observation.state": state.astype(np.float32), camera: image.copy()}
+    batch = pre(prepare_observation_for_inference(observation, torch.device("cpu"), TASK))
+    model_actions = policy.predict_action_chunk(batch, noise=torch.from_numpy(noise)[None].clone())
+    robot_actions = post(model_actions)[0].numpy()
+    arrays = {"lerobot_version": np.array(lerobot.__version__), "task": np.array(TASK), "state": state,
+              "image": image, "noise": noise, "tokens": batch["observation.language.tokens"][0].numpy(),
+              "token_mask": batch["observation.language.attention_mask"][0].numpy().astype(bool),
+              "model_actions": model_actions[0].numpy(), "robot_actions": robot_actions,
+              "num_inference_steps": np.array(config.num_inference_steps)}
+    np.savez_compressed(out / "reference.npz", **arrays)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"model: {sum(p.numel() for p in policy.parameters())} parameters, {size} bytes in {out}; model actions "
+          f"in [{model_actions.min():.2f}, {model_actions.max():.2f}], robot actions in [{robot_actions.min():.2f}, "
+          f"{robot_actions.max():.2f}]")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="test/data/lerobot_ref", help="output folder (one sub-folder per case)")
+    parser.add_argument("--model-out", default="test/data/lerobot_model",
+                        help="output folder of the whole-policy case (LeRobot's checkpoint and reference.npz)")
+    parser.add_argument("--tokenizer", default="oxygen_ros/model/assets/tiny_tokenizer.model",
+                        help="SentencePiece model standing in for PaliGemma's tokenizer in the whole-policy case")
+    parser.add_argument("--only", choices=("processors", "model"), help="make one kind of case only")
     args = parser.parse_args(argv)
     import lerobot
     import lerobot.processor.tokenizer_processor as tokenizer_processor
 
     if lerobot.__version__ != "0.6.1":
         raise SystemExit(f"the reference is LeRobot 0.6.1, this is {lerobot.__version__}")
-    tokenizer_processor.AutoTokenizer = _OfflineTokenizer
     torch.set_num_threads(1)
-    out = Path(args.out)
-    for i, name in enumerate(CASES):
-        make_case(name, out, seed=100 + i)
+    if args.only != "model":
+        tokenizer_processor.AutoTokenizer = _OfflineTokenizer
+        out = Path(args.out)
+        for i, name in enumerate(CASES):
+            make_case(name, out, seed=100 + i)
+    if args.only != "processors":
+        make_model_case(Path(args.model_out), Path(args.tokenizer), seed=200)
     return 0
 
 

@@ -2,7 +2,7 @@
 
 Run in a side environment that has LeRobot 0.6.1 (Python 3.12; never a dependency of this package):
 
-    /work/side/lerobot061/bin/python scripts/rtc_reference.py --out test/data/rtc_ref/lerobot061.npz
+    ../lerobot061/bin/python scripts/rtc_reference.py --out test/data/rtc_ref/lerobot061.npz
 
 It records, for a grid of inputs:
 - schedules: LeRobot's prefix weights get_prefix_weights(start, end, total) for the four schedules;

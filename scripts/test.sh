@@ -4,6 +4,23 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
+PROGRESS_TAG=test
+# shellcheck source=scripts/progress.sh
+. scripts/progress.sh
+
+# The console's browser test (test_console.py) drives a real headless Chromium: Debian's packages, installed
+# here when missing and this runs as root with apt (as CI does); otherwise that one test fails and says so.
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+    run_step "installing chromium and chromium-driver (apt) for the console's browser test" .venv/.oxygen_stamps/logs/chromium.log \
+      bash -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver' || {
+      say "warning: apt-get could not install chromium (log: .venv/.oxygen_stamps/logs/chromium.log): the console's browser test will fail"
+    }
+  else
+    say "warning: chromium/chromedriver missing: the console's browser test will fail (apt-get install chromium chromium-driver)"
+  fi
+fi
+
 # shellcheck disable=SC1091
 . .venv/bin/activate
 exec python -m pytest -q -ra test/ "$@"

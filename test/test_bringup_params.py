@@ -49,7 +49,6 @@ oxygen_action:
   ros__parameters:
     action_rate_hz: 50.0
     joint_names: [a, b]
-    output_type: teleport
     interpolate: [true]
 """)
     r = bringup("--robot", "demo", "--params-file", str(params))
@@ -57,7 +56,6 @@ oxygen_action:
     lines = r.stderr.splitlines()
     for expected in ("camera slot right_wrist_0_rgb is required but has no topic",
                      "no camera topic configured (cameras.<slot>.topic)",
-                     "oxygen_action.output_type = 'teleport': must be one of",
                      "joint_names has 2 names, the actions have 3 dimensions",
                      "action_rate_hz 50.0 differs from the engine's 70.0",
                      "interpolate has 1 entries, the actions have 3 dimensions"):

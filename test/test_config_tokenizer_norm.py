@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from oxygen_ros.model.files import CheckpointError
 from oxygen_ros.model.config import (PRESETS, GemmaConfig, Pi05Config, VisionConfig, load_config,
                                      num_parameters, preset)
 from oxygen_ros.model.normalize import Normalizer
@@ -86,8 +87,21 @@ def _cfg(**changes) -> Pi05Config:
     (dict(vision=VisionConfig(16, 1, 32, 2, patch_size=14, image_size=30)),
      "image_size must be a multiple of patch_size"),
     (dict(expert=GemmaConfig(15, 2, 32, 4, 1, 8)), "expert width must be even"),
-    (dict(action_horizon=0), "action_horizon must be positive, got 0"),
-    (dict(vocab_size=-1), "vocab_size must be positive, got -1"),
+    (dict(action_horizon=0), r"action_horizon must be an integer in \[1, 1000\], got 0"),
+    (dict(vocab_size=-1), r"vocab_size must be an integer in \[1, 2147483648\], got -1"),
+    # Beyond the bounds the engine runs nothing useful (10^8 denoise steps: no chunk, ever); a float or a
+    # boolean where an integer is needed is refused, not truncated.
+    (dict(num_denoise_steps=10**8), r"num_denoise_steps must be an integer in \[1, 1000\], got 100000000"),
+    (dict(action_horizon=3000), r"action_horizon must be an integer in \[1, 1000\], got 3000"),
+    (dict(max_token_len=9000), r"max_token_len must be an integer in \[1, 8192\], got 9000"),
+    (dict(action_dim=2000), r"action_dim must be an integer in \[1, 1024\], got 2000"),
+    (dict(num_denoise_steps=10.0), r"num_denoise_steps must be an integer in \[1, 1000\], got 10.0"),
+    (dict(action_horizon=True), r"action_horizon must be an integer in \[1, 1000\], got True"),
+    (dict(vlm=GemmaConfig(32, 2, 64, 2, 0, 8)), r"vlm.num_kv_heads must be an integer in \[1, 2147483648\], got 0"),
+    (dict(vision=VisionConfig(16, 1, 32, 2, layer_norm_eps=float("nan"))),
+     "vision.layer_norm_eps must be a positive finite number, got nan"),
+    (dict(time_max_period=-4.0), "time_max_period must be a positive finite number, got -4.0"),
+    (dict(prefix_conditioning="yes"), "prefix_conditioning must be true or false, got 'yes'"),
     (dict(prefix_language_attention="prefix_lm"), "prefix_language_attention must be one of"),
 ])
 def test_config_validation(changes, message):
@@ -229,7 +243,7 @@ def test_byte_fallback_for_unseen_characters(tok):
 
 
 def test_missing_tokenizer_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="tokenizer model not found"):
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'paligemma_tokenizer.model'}: not found"):
         Tokenizer(tmp_path / "paligemma_tokenizer.model")
 
 
@@ -323,14 +337,14 @@ def test_missing_q01_in_quantile_mode(tmp_path):
 def test_bad_stats(tmp_path):
     with pytest.raises(ValueError, match=r"unknown norm stats keys \['action'\]"):
         Normalizer.load(_write_stats(tmp_path / "a.json", {"state": STATE, "action": ACTIONS}))
-    with pytest.raises(ValueError, match="'state' lacks 'std'"):
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'b.json'}: norm_stats.state.std is missing"):
         Normalizer.load(_write_stats(tmp_path / "b.json", {"state": {"mean": [0.0]}}))
     with pytest.raises(ValueError, match="different lengths"):
         Normalizer.load(_write_stats(tmp_path / "c.json", {"state": {**STATE, "q99": [1.0, 2.0]}}))
-    with pytest.raises(ValueError, match="finite 1-D"):
+    with pytest.raises(CheckpointError, match="norm_stats.state.mean must be a non-empty list of finite numbers"):
         Normalizer.load(_write_stats(tmp_path / "d.json", {"state": {**STATE, "mean": [0.0, float("nan"), 1.0]}}))
     (tmp_path / "e.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match="not an openpi norm_stats.json"):
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'e.json'}: must hold a JSON object, got a list"):
         Normalizer.load(tmp_path / "e.json")
 
 

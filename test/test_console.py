@@ -28,6 +28,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from std_msgs.msg import Float64MultiArray, String
 
+from oxygen_interfaces.srv import Converse
+
 from ros_harness import output_stops, private_domain, running_bringup, wait_until
 
 CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -188,7 +190,7 @@ def test_bad_requests_get_a_clear_error(console):
     code, message = post("/prompt", json.dumps({"text": "touch the red cube " + "x" * 600}).encode())
     assert code == 400 and "500" in message, (code, message)
     code, message = console.request("GET", "/picture/nope")
-    assert code == 404 and "one of overlay, base_0_rgb" in message
+    assert code == 404 and "one of overlay, caption, base_0_rgb" in message
     time.sleep(1.0)          # what was published would have arrived
     assert not [m for _, m in list(prompts) if len(m.data) > 500]
     status = console.status()
@@ -307,3 +309,78 @@ def test_slow_heads_and_idle_connections_are_bounded(console):
     for s in idle:
         s.close()
     assert console.status()["lifecycle"] == "active"
+
+
+# Every <img> the page shows has a picture: one still waiting (none loaded yet, or the server's 204 "no picture
+# yet") is hidden behind its tile's waiting text, never a broken-image icon (shown: no source, or one that
+# failed to load).
+BROKEN_PICTURES = """return [...document.images].filter(i => i.offsetParent !== null
+                                                      && (!i.getAttribute("src") || (i.complete && i.naturalWidth === 0)))
+                               .map(i => i.id)"""
+
+
+def test_first_paint_shows_no_broken_picture_and_asks_for_no_favicon(console):
+    driver = console.driver
+    driver.get(f"{console.base}/?token={console.token}")
+    broken = set()
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:           # from the first paint until the pictures are in
+        broken.update(driver.execute_script(BROKEN_PICTURES))
+        time.sleep(0.05)
+    assert not broken, f"broken pictures shown: {broken}"
+    wait = WebDriverWait(driver, 60, poll_frequency=0.2)
+    wait.until(lambda d: "loaded" in d.find_element(By.ID, "tile-base_0_rgb").get_attribute("class"))
+    # Each camera tile names its slot and the frame it shows; the debug picture says what it is.
+    assert re.fullmatch(r"base_0_rgb\nmodel input, frame \d+", text(driver, "tile-base_0_rgb"))
+    assert text(driver, "tile-overlay").startswith("debug picture")
+    # A browser asks every page load for /favicon.ico, without the token: answered 404 before the checks,
+    # not refused (a refusal is a warning in the log, at every page load).
+    assert console.request("GET", "/favicon.ico", token=False)[0] == 404
+    time.sleep(1.0)
+    assert "favicon" not in console.bringup.output(), console.bringup.output()
+
+
+def test_the_caption_is_shown_beside_the_frame_it_describes(console):
+    driver = console.driver
+    wait = WebDriverWait(driver, 60, poll_frequency=0.2)
+    assert wait_until(lambda: console.status()["caption"] is not None, 60), "no caption"
+    caption = console.status()["caption"]
+    assert caption["picture"], caption
+    wait.until(lambda d: text(d, "caption-frame").startswith("frame "))
+    frame = int(text(driver, "caption-frame").split()[1])
+    # The page shows a caption with its own frame's index and picture (the 64 px camera image of that frame).
+    wait.until(lambda d: d.execute_script("return document.getElementById('picture-caption').naturalWidth") == 64)
+    assert text(driver, "caption-text") and "(the picture beside it)" in text(driver, "caption-frame")
+    assert frame <= console.status()["frame_index"]
+    code, _ = console.request("GET", "/picture/caption")
+    assert code == 200
+
+
+def test_no_connection_dims_what_is_stale_and_the_stop_is_quiet(console):
+    """Runs last: it stops the bringup. A question still being answered when the process stops gets its
+    refusal, logged at info (an orderly stop is no fault); the page then says it has no connection."""
+    driver, client = console.driver, console.client
+    wait = WebDriverWait(driver, 60, poll_frequency=0.2)
+    driver.get(f"{console.base}/?token={console.token}")
+    wait.until(lambda d: text(d, "lifecycle") == "active")
+    cli = client.node.create_client(Converse, "/oxygen/converse")
+    assert cli.wait_for_service(20)
+    # One token per frame at the camera's 15 Hz (PARAMS): the description (~12 tokens) takes ~0.8 s, the
+    # stop sent as soon as the engine has the question comes within ~0.2 s.
+    pending = cli.call_async(Converse.Request(text="Describe the scene.", max_tokens=200, timeout_s=120.0))
+    assert wait_until(lambda: sum(console.status()[k] for k in ("active_requests", "queued_requests")) >= 1, 30)
+    assert console.bringup.stop() == 0
+    assert wait_until(pending.done, 20)
+    assert not pending.result().success and "shutting down" in pending.result().error
+    out = console.bringup.output()
+    assert "conversation request ended" in out and "oxygen_bringup: stopped" in out, out
+    assert not [line for line in out.splitlines() if "[WARN]" in line and "shutting down" in line], out
+    # The page: a banner, the figures dimmed but kept, the state unknown, the switch out of use.
+    wait.until(lambda d: "offline" in d.find_element(By.TAG_NAME, "body").get_attribute("class"))
+    assert text(driver, "lifecycle") == "no connection" and text(driver, "action-state") == "unknown"
+    assert text(driver, "offline").startswith("no connection to the robot's process since")
+    assert not driver.find_element(By.ID, "enable").is_enabled()
+    assert float(driver.execute_script(
+        "return getComputedStyle(document.getElementById('figures')).opacity")) < 0.5
+    assert text(driver, "status-faults") == "0"          # the last figures received, still there
+    assert "Traceback" not in out

@@ -143,3 +143,58 @@ def test_github_heading_slugs():
         "preparing-images-ahead-of-the-cycle-prepare_ahead"
     assert github_slug("One engine, many robots") == "one-engine-many-robots"
     assert github_slug("**Bold** and [a link](x.md)") == "bold-and-a-link"
+
+
+# The project speaks of itself, not of the machine or the arrangement it was built in: no absolute path of a
+# build machine (a user's checkout is anywhere: paths are relative, or placeholders like <repo>), and no
+# words about a GPU or a machine being lent for the work. A user's GPU is theirs; docs/gpu.md says how to
+# run the GPU check on any CUDA machine.
+BUILD_ENVIRONMENT = re.compile(
+    r"(?<![\w.~-])/(?:work|root)/"              # absolute paths of the build machine
+    r"|\.library/|KINDS\.md"                    # its tool folders
+    r"|\b(?:lent|borrowed)\b"                   # "a GPU lent to this work", "a borrowed H200"
+    r"|\bdevice time\b|\b(?:to|for) this work\b",
+    re.IGNORECASE)
+SCANNED = ("README.md", "ARCHITECTURE.md", "CHANGELOG.md", "docs/*.md", "docs/*.json", "scripts/*", "config/*",
+           "oxygen_ros/**/*.py", "oxygen_ros/**/*.html", "oxygen_ros/**/*.yaml", "kernels/**/*.py")
+
+
+def environment_words(paths) -> list[str]:
+    """'file:line: text' for every line that speaks of the build environment."""
+    found = []
+    for path in paths:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, IsADirectoryError):
+            continue                                # binary files (pictures, weights): no prose
+        for number, line in enumerate(text.splitlines(), 1):
+            if BUILD_ENVIRONMENT.search(line):
+                where = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+                found.append(f"{where}:{number}: {line.strip()[:160]}")
+    return found
+
+
+def test_the_project_speaks_of_itself_not_of_its_build_environment():
+    files = sorted({f for pattern in SCANNED for f in REPO.glob(pattern) if f.is_file()})
+    assert any(f.name == "gpu.md" for f in files) and any(f.suffix == ".sh" for f in files)
+    found = environment_words(files)
+    assert not found, "words about the build environment:\n" + "\n".join(found)
+
+
+def test_the_environment_check_finds_build_paths_and_lent_machines(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("python3.12 -m venv /work/side/lerobot061\n"             # flagged: a build path
+                    "No GPU has been lent to this work yet.\n"                # flagged
+                    "A session may run on a borrowed H200.\n"                 # flagged
+                    "python3.12 -m venv ../lerobot061 && ~/work/x /tmp/bag\n"  # relative, a home, a user's tmp
+                    "A setting that was not run borrows the pooled medians; the KV budget; a chat session.\n")
+    found = environment_words([page])
+    assert [f.split(":")[1] for f in found] == ["1", "2", "3"], found
+
+
+def test_the_docs_index_lists_every_data_file_once():
+    """docs/README.md's data files: each JSON result under docs/ linked exactly once (a measured figure
+    whose file is missing from the index, or listed twice, reads as a different result)."""
+    index = (REPO / "docs" / "README.md").read_text(encoding="utf-8")
+    counts = {f.name: len(re.findall(rf"\]\({re.escape(f.name)}\)", index)) for f in (REPO / "docs").glob("*.json")}
+    assert counts and {name: n for name, n in counts.items() if n != 1} == {}

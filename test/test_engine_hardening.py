@@ -157,6 +157,26 @@ def test_failures_after_the_frame_compute_release_its_blocks(engine_factory, obs
     assert engine.stats.counter("captions_failed") == 1 and pool_used(engine) == 0
 
 
+def test_a_failure_while_preparing_a_frame_is_that_frames_fault(engine_factory, obs):
+    """Anything that raises while a frame is prepared (here the noise of a seed out of range: frame_noise)
+    is that frame's fault: counted, the robot's discard listener told, a question's frame just missing;
+    repeated, the safe stop. It used to escape the cycle: no chunk ever came and nothing said why."""
+    engine = engine_factory(policy="oxygen", max_consecutive_faults=3)
+    discarded = []
+    engine.add_discard_listener(lambda robot, why: discarded.append(why))
+    engine.frame_noise = lambda index: (_ for _ in ()).throw(ValueError("injected: seed out of range"))
+    h = engine.submit(TextRequest("what is on the table?", max_tokens=4))
+    for i in range(2):
+        report = engine.run_cycle(obs(i))
+        assert "preparing the frame failed: ValueError: injected: seed out of range" in report.fault
+        assert report.chunks == 0 and not engine.faulted
+    assert len(discarded) == 2 and "injected: seed out of range" in discarded[0]
+    assert engine.stats.counter("faults") == 2 and not h.done()
+    engine.run_cycle(obs(2))
+    assert engine.faulted.startswith("3 consecutive faulty frames") and h.result(0).finish_reason == "error"
+    assert engine.latest_chunk() is None and pool_used(engine) == 0
+
+
 @pytest.mark.parametrize("stamp", [float("nan"), float("inf"), None])
 def test_a_bad_observation_stamp_is_rejected_and_counted(engine_factory, obs, stamp):
     engine = engine_factory(policy="oxygen")

@@ -71,6 +71,21 @@ def test_processor_stats_without_configs_follow_config_json(tmp_path):
     np.testing.assert_allclose(norm.unnormalize_actions(a), [[-1.0, 0.0, 3.0, -4.0 + 0.75e-8]], rtol=0, atol=1e-7)
 
 
+def test_mean_std_divides_by_std_plus_lerobots_epsilon(tmp_path):
+    """LeRobot's MEAN_STD is (x - mean) / (std + 1e-8) (NormalizerProcessorStep, eps 1e-8): the epsilon
+    matters for a constant dimension (std 0) and a tiny std, where the values are checked against numbers
+    worked out by hand from that formula (float32: rtol 1e-6)."""
+    flat = {"observation.state.mean": np.float32([0.25, 0.0, 1.0]), "observation.state.std": np.float32([0.0, 3e-8, 2.0]),
+            "action.mean": np.zeros(4, np.float32), "action.std": np.ones(4, np.float32)}
+    tmp_path.mkdir(exist_ok=True)
+    save_numpy(flat, str(tmp_path / "policy_preprocessor_step_3_normalizer_processor.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"type": "pi05", "normalization_mapping": {
+        "VISUAL": "IDENTITY", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"}}))
+    state = load_normalizer(tmp_path).normalize_state(np.array([0.5, 0.1, 2.0]))
+    # 0.25 / 1e-8, 0.1 / 4e-8, 1 / 2.00000001
+    np.testing.assert_allclose(state, [2.5e7, 2.5e6, 0.5], rtol=1e-6, atol=0)
+
+
 def test_processor_stats_without_state_or_actions_are_refused(tmp_path):
     tmp_path.mkdir(exist_ok=True)
     save_numpy({"observation.images.x.mean": np.zeros(3, np.float32)},

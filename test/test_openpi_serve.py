@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 
@@ -203,12 +204,18 @@ def test_two_clients_frames_are_prefilled_and_denoised_in_one_cycle():
 
 
 def test_api_key_is_required_and_accepted(tmp_path):
+    """openpi's client shows a close reason, not an HTTP body: a missing or wrong key opens the websocket and
+    closes it with 1008 and the explanation; a plain HTTP request gets 401 with it."""
     rng = np.random.default_rng(3)
     with served("libero", api_key="s3cret-key") as server:
         for kw in ({}, {"api_key": "wrong"}):
-            with pytest.raises(websockets.InvalidStatus, match="401"):
+            with pytest.raises(websockets.ConnectionClosedError, match=r"1008 .*missing or wrong API key: "
+                                                                       r"WebsocketClientPolicy\(.*api_key="):
                 client(server, **kw)
         assert client(server, api_key="s3cret-key").infer(libero_obs(rng))["actions"].shape == (10, 7)
+        with pytest.raises(urllib.error.HTTPError, match="401") as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/", timeout=5)
+        assert b"missing or wrong API key" in refused.value.read()
         with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=5) as r:
             assert r.status == 200                                  # the health check needs no key
 
@@ -242,6 +249,10 @@ def test_hostile_messages_get_clear_errors_while_another_client_is_served():
         assert "not a msgpack message" in error_for(b"\xc1\x00garbage")
         assert "expected a binary msgpack message" in error_for("a text frame")
         assert "expected a msgpack map" in error_for(msgpack_numpy.packb([1, 2, 3]))
+        # Refused from the headers, before msgpack builds anything: too many objects, too deep, extension types.
+        assert "more than 4096 msgpack objects" in error_for(msgpack.packb({"a": [0] * 5000}))
+        assert "nested deeper than 16 maps or arrays" in error_for(b"\x81\xa1a" + b"\x91" * 20 + b"\x90")
+        assert "msgpack extension type" in error_for(msgpack.packb({"a": msgpack.ExtType(1, b"x")}))
         still_served()
         wrong_shape = {**droid_obs(rng), "observation/joint_position": np.zeros((2, 7))}
         with pytest.raises(RuntimeError, match=r"observation/joint_position must have shape \[7\], got \[2, 7\]"):
@@ -342,6 +353,11 @@ def test_oxygen_serve_command(tmp_path):
     """The console entry point as a user runs it: random weights said loudly, /healthz, an infer, Ctrl-C."""
     key = tmp_path / "key"
     key.write_text("k-123\n")
+    key.chmod(0o600)
+    out = subprocess.run([sys.executable, "-m", "oxygen_ros.serve", "--robot", "libero", "--random", "tiny",
+                          "--api-key-file", str(key)], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "the token has 5 characters, at least 16" in out.stderr   # checked before the model
+    key.write_text("k-123-long-enough-key\n")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "oxygen_ros.serve", "--robot", "libero", "--random", "tiny",
                              "--port", "0", "--api-key-file", str(key), "--max-clients", "2"],
@@ -360,7 +376,7 @@ def test_oxygen_serve_command(tmp_path):
         assert any("RANDOM WEIGHTS" in line for line in lines)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
             assert r.read() == b"OK\n"
-        policy = WebsocketClientPolicy("127.0.0.1", port, api_key="k-123")
+        policy = WebsocketClientPolicy("127.0.0.1", port, api_key="k-123-long-enough-key")
         assert policy.get_server_metadata()["max_clients"] == 2
         assert policy.infer(libero_obs(np.random.default_rng(7)))["actions"].shape == (10, 7)
         proc.send_signal(signal.SIGINT)

@@ -562,8 +562,10 @@ def test_the_guide_pins_the_delay_and_the_margin_rows(engine_factory, margin):
     engine.run_cycle(_obs(1, 10.0 + DT), _noise(1))      # a row later: H - 1 rows of it left
     assert engine.latest_chunk().rtc_delay_rows == 1
     weights = seen[1][0].weights
-    assert torch.equal(weights, rtc.prefix_weights("linear", 1 + margin, H - 1, H))
-    assert (weights[:1 + margin] == 1).all() and 0 < weights[1 + margin] < 1 and weights[H - 1] == 0
+    # LeRobot 0.6.1's linear weights, written out: 1 on rows < start, then linspace(1, 0, span + 2)[1:-1] over
+    # the span = end - start rows up to end (the playing chunk's H - 1 = 4 rows left), 0 from there on.
+    expected = {0: [1, 3 / 4, 2 / 4, 1 / 4, 0], 1: [1, 1, 2 / 3, 1 / 3, 0], 2: [1, 1, 1, 1 / 2, 0]}[margin]
+    np.testing.assert_allclose(weights.numpy(), expected, rtol=0, atol=1e-7)
 
 
 def test_every_robot_is_guided_by_its_own_chunk(small_model):
@@ -603,6 +605,43 @@ def test_the_delay_is_predicted_from_the_wait_and_the_measured_latency(engine_fa
     engine.submit_observation(_obs(3, 5.0 + 3 * DT), _noise(3))
     engine.run_cycle()
     assert engine.latest_chunk().rtc_delay_rows is None
+
+
+@pytest.mark.parametrize("wait_rows, latency_rows, delay", [(2.5, 0.0, 3), (0.25, 1.5, 2), (1.0, 1.0, 2)])
+def test_a_delay_of_part_of_a_row_is_rounded_up(engine_factory, wait_rows, latency_rows, delay):
+    """A row that starts playing before the take-over is committed even if only part of its time passes:
+    d = ceil((wait + latency) / control period), never rounded down."""
+    clock = SimClock(100.0)
+    engine = engine_factory(rtc=True, clock=clock)
+    real = engine.runner.actions
+    engine.runner.actions = lambda *args, **kwargs: (clock.advance(latency_rows * DT), real(*args, **kwargs))[1]
+    engine.submit_observation(_obs(0, 5.0), _noise(0))
+    engine.run_cycle()                                       # nothing plays yet; measures the latency
+    engine.submit_observation(_obs(1, 5.0 + DT), _noise(1))
+    clock.advance(wait_rows * DT)
+    engine.run_cycle()
+    assert engine.latest_chunk().rtc_delay_rows == delay
+
+
+def test_rtc_continues_the_chunk_that_plays_after_the_output_comes_back_on(engine_factory):
+    """While the output is off the chunks are plain and nothing plays them; back on, the next chunk's guide
+    is the LAST chunk delivered (the one the robot starts playing), aligned to the new stamp: not the chunk
+    delivered before the output went off."""
+    engine = engine_factory(rtc=True, rtc_delay_rows=1)
+    real, seen = engine.runner.actions, []
+    engine.runner.actions = lambda *args, **kwargs: (seen.append(kwargs.get("guides")), real(*args, **kwargs))[1]
+    engine.run_cycle(_obs(0, 10.0), _noise(0))
+    before_off = engine.latest_chunk()
+    engine.actions.set_playing("", False)
+    for i in (1, 2):
+        engine.run_cycle(_obs(i, 10.0 + i * DT, seed=i), _noise(i))
+    assert seen[1:] == [[None], [None]]                         # plain while off
+    last = engine.latest_chunk()
+    engine.actions.set_playing("", True)
+    engine.run_cycle(_obs(3, 10.0 + 3 * DT, seed=3), _noise(3))   # a row after the last chunk's stamp
+    target = seen[3][0].target.numpy()
+    np.testing.assert_array_equal(target[:H - 1], last.model_actions[1:].astype(np.float32))
+    assert not np.allclose(target[:H - 1], before_off.model_actions[1:], atol=1e-3)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,6 +1,7 @@
 """The frame cycle's scheduling on a simulated clock: deadline budget, actions first, fairness,
 cancellation, timeouts, stale frames, bounded queue. The model really runs (a small one); only the
 engine's notion of time is simulated: each runner operation advances the clock by a fixed cost."""
+import numpy as np
 import pytest
 
 from conftest import ACTION_S, PREFILL_S, SimClock, decode_cost, simulate_costs
@@ -10,19 +11,24 @@ from oxygen_ros.engine.scheduler import LanguageBudget
 def test_decode_budget_rules():
     fixed = LanguageBudget("fixed", tokens_per_frame=5, min_steps=1, chunk_tokens=64)
     assert [fixed.another_step(s, 0.0, -1.0, 4) for s in range(6)] == [True] * 5 + [False]
-    assert fixed.prefill_tokens(0.0, -1.0, 4, 2, guaranteed=False) == 64          # fixed: the chunk, always
+    assert fixed.prefill_tokens(0.0, -1.0, 4, [50, 50]) == [50, 14]                 # fixed: the chunk, always
     dl = LanguageBudget("deadline", tokens_per_frame=5, min_steps=2, chunk_tokens=64)
     assert dl.another_step(0, now=10.0, deadline=9.0, batch=3)      # minimum progress even when late
     assert dl.another_step(1, now=10.0, deadline=9.0, batch=3)
     assert not dl.another_step(2, now=10.0, deadline=9.0, batch=3)
-    assert dl.prefill_tokens(0.0, 1.0, 0, 1, guaranteed=True) == 64              # unmeasured: the minimum
-    assert dl.prefill_tokens(0.0, 1.0, 0, 1, guaranteed=False) == 0
+    assert dl.prefill_tokens(0.0, 1.0, 0, [100]) == [64]                          # unmeasured: the minimum
+    assert dl.prefill_tokens(5.0, 1.0, 0, [100]) == [64]                          # late: the minimum
     dl.observe(3, 3, 0.2)
     assert dl.cost.step(3) == pytest.approx(0.2)
     dl.observe(3, 3, 0.1)
     assert dl.cost.step(3) == pytest.approx(0.2 + 0.3 * (0.1 - 0.2))             # moving average per batch
     assert dl.another_step(2, now=1.0, deadline=1.17, batch=3)
     assert not dl.another_step(2, now=1.0, deadline=1.16, batch=3)
+    zero = LanguageBudget("deadline", tokens_per_frame=5, min_steps=0, chunk_tokens=64)
+    zero.observe(3, 3, 0.2)
+    assert not zero.another_step(0, now=1.0, deadline=1.0, batch=3)               # a frame cycle: min_steps 0
+    assert zero.another_step(0, now=1.0, deadline=1.0, batch=3, frame=False)       # without a frame: one step
+    assert not zero.another_step(1, now=1.0, deadline=1.0, batch=3, frame=False)
     with pytest.raises(ValueError):
         LanguageBudget("eager", 1, 1, 64)
 
@@ -36,10 +42,62 @@ def test_the_cost_model_learns_a_forward_from_decode_steps_and_question_prefills
         budget.observe(rows, tokens, cost(rows, tokens))
     assert budget.cost.step(20) == pytest.approx(cost(20, 20))
     assert budget.cost.forward(5, 500) == pytest.approx(cost(5, 500))
-    # 0.2 s left, one decode step of 8 rows after it (0.030 s): a forward over 2 questions takes 312 tokens
-    assert abs(budget.prefill_tokens(0.0, 0.2, 8, 2, guaranteed=True) - (0.2 - cost(8, 8) - 0.014) / 0.0005) <= 1
-    assert budget.prefill_tokens(0.0, 0.02, 8, 2, guaranteed=True) == 16        # the minimum when nothing fits
-    assert budget.prefill_tokens(0.0, 0.02, 8, 2, guaranteed=False) == 0
+    # 0.2001 s left, one decode step of 8 rows after it (0.03 s): the questions' tokens, counted over the rows
+    # that get some. Two questions of 500 tokens: the first alone gets them all, a forward of ONE row.
+    left = 0.2001 - cost(8, 8)
+    (alone,) = budget.prefill_tokens(0.0, 0.2001, 8, [500, 500])
+    assert cost(1, alone) <= left < cost(1, alone + 1)
+    first, second = budget.prefill_tokens(0.0, 0.2001, 8, [100, 500])            # two rows: 100 + the rest
+    assert first == 100 and cost(2, 100 + second) <= left - cost(9, 9) + cost(8, 8) < cost(2, 101 + second)
+    # a question the forward completes decodes in the step after it: that step has one row more
+    (short,) = budget.prefill_tokens(0.0, 0.2001, 8, [300])
+    assert short == 300 and cost(1, 300) + cost(9, 9) <= 0.2001
+    (edge,) = budget.prefill_tokens(0.0, 0.2001, 8, [316])       # 316 tokens fit, not with a 9-row step after
+    assert cost(1, 316) + cost(8, 8) <= 0.2001 < cost(1, 316) + cost(9, 9) and edge == 315
+    assert budget.prefill_tokens(0.0, 0.02, 8, [100, 100]) == [16]                 # the minimum when nothing fits
+    assert budget.prefill_tokens(0.0, 0.02, 8, [10, 100]) == [10, 6]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_tokens_within_is_the_largest_count_that_fits_exactly(rows):
+    """Not one token more (rounding up would overrun the deadline by a token's time), not one fewer."""
+    budget = LanguageBudget("deadline", tokens_per_frame=5, min_steps=0, chunk_tokens=1)
+    cost = lambda r, t: 0.004 + 0.001 * r + 0.00025 * t             # noqa: E731 - 1/4 ms a token
+    for r, t in [(1, 1), (2, 2), (1, 40), (2, 100), (4, 300)]:
+        budget.observe(r, t, cost(r, t))
+    for seconds in (0.05011, 0.0513, 0.09996, 0.30011):              # none on a token boundary
+        n = budget.cost.tokens_within(seconds, rows)
+        assert cost(rows, n) <= seconds < cost(rows, n + 1), (seconds, n)
+    assert budget.cost.tokens_within(0.001, rows) == 0                   # not even the rows fit
+
+
+def test_the_cost_model_never_goes_negative_and_keeps_predicting():
+    """A forward faster than linear (CPU prefills: 64 tokens cost barely more than 8) made the unconstrained
+    fit's intercept or row cost negative; the fit was then discarded, every prediction fell back to nothing
+    and a cycle without a frame prefilled nothing, measured nothing, and never recovered (issue 33). The fit
+    is non-negative (least squares under that constraint, checked against a brute-force grid) and used."""
+    budget = LanguageBudget("deadline", tokens_per_frame=5, min_steps=1, chunk_tokens=64)
+    measured = [(1, 1, 0.023), (1, 64, 0.044), (1, 512, 0.088), (4, 512, 0.080), (8, 8, 0.026), (16, 16, 0.027),
+                (2, 128, 0.052)]
+    for rows, tokens, seconds in measured:
+        budget.observe(rows, tokens, seconds)
+    a, b, c = budget.cost.coefficients
+    assert min(a, b, c) >= 0 and c > 0
+    unconstrained = np.linalg.lstsq(np.array([(1, r, t) for r, t, _ in measured], float),
+                                     np.array([s for *_, s in measured]), rcond=None)[0]
+    assert unconstrained.min() < 0                          # the case the issue saw
+    # the constrained optimum, independently: a grid over (b, c) >= 0, with a's best value for each
+    x = np.array([(r, t) for r, t, _ in measured], float)
+    y = np.array([s for *_, s in measured])
+    best = np.inf
+    for gb in np.linspace(0, 0.001, 201):
+        for gc in np.linspace(0, 0.0002, 201):
+            rest = y - x @ (gb, gc)
+            best = min(best, float(np.sum((rest - max(rest.mean(), 0.0)) ** 2)))
+    fitted = float(np.sum((np.array([(1, r, t) for r, t, _ in measured]) @ (a, b, c) - y) ** 2))
+    assert fitted <= best + 1e-12
+    # a frame period of 0.1 s left, 5 questions of 1,500 tokens waiting: the fit says many tokens fit
+    assert sum(budget.prefill_tokens(0.0, 0.1, 0, [1500] * 5)) > 64
 
 
 def test_deadline_budget_fills_the_frame_period_and_no_more(engine_factory, obs):

@@ -297,6 +297,11 @@ def main_adversarial(a, cfg, model, started: str, load_start, argv, log) -> int:
                            load_start, argv)
     targets = result["adversarial"]["targets"]
     log("targets: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in targets.items()))
+    line, warning = adversarial.verdict(targets, load_start, result["meta"]["load_avg_end"], os.cpu_count() or 1)
+    result["adversarial"]["verdict"] = {"verdict": line, "load_warning": warning}
+    for text in (warning, line):
+        if text:
+            print(text, flush=True)          # even with --quiet: the answer of the run
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(result, indent=2, default=_jsonable, allow_nan=False) + "\n")

@@ -116,6 +116,26 @@ def run_phase(model, a, cfg, phase: str, log, prefill_chunk_tokens: int | None =
     return out
 
 
+def verdict(targets: dict, load_start: float | None, load_end: float | None, cpus: int) -> tuple[str, str]:
+    """(the verdict line, the load warning or ""). Every target met: actions first held. A target missed on a
+    busy machine (a 1-min load average above the CPU count, at the start: other work; at the end: this run
+    included) is not the engine's alone: the figures are timing figures, and the CPU was shared."""
+    names = {"chunks_kept": "chunks/s under the flood >= 90% of baseline",
+             "gap_kept": "largest gap between chunks <= 1.5 x the chunk period",
+             "language_served": "language still served during the flood",
+             "every_question_has_a_reason": "every question answered or refused with a reason"}
+    missed = [text for key, text in names.items() if not targets[key]]
+    loads = [x for x in (load_start, load_end) if x is not None]
+    busy = bool(loads) and max(loads) > cpus
+    warning = (f"WARNING: busy machine: 1-min load average {'/'.join(f'{x:.1f}' for x in loads)} (start/end) on "
+               f"{cpus} CPUs: the engine shared the CPU with other work; rerun on a quiet machine to judge it"
+               if busy else "")
+    if not missed:
+        return "verdict: PASS: actions first held (every target met)", warning
+    head = "verdict: INCONCLUSIVE (busy machine)" if busy else "verdict: FAIL"
+    return f"{head}: missed: {'; '.join(missed)}", warning
+
+
 def run(model, a, cfg, log) -> dict:
     phases = {"baseline": run_phase(model, a, cfg, "baseline", log), "flood": run_phase(model, a, cfg, "flood", log)}
     if a.compare_unbounded:

@@ -3,9 +3,11 @@ a thread of its own (its own asyncio loop; nothing of it runs on a ROS executor 
 callbacks below).
 
     GET  /                  the page (static/index.html: plain HTML and JavaScript, no build step)
-    GET  /picture/<name>    newest JPEG: `overlay` (the debug picture: chunk drawn, latest reply) or a
-                            camera slot (the newest observation's image)
-    GET  /status            status figures as JSON
+    GET  /picture/<name>    newest JPEG: `overlay` (the debug picture: chunk drawn, latest reply), a
+                            camera slot (the newest observation's image), or `caption` (the frame the
+                            newest scene caption describes); 204 while there is none yet
+    GET  /status            status figures as JSON (with the newest frame's index and the newest caption)
+    GET  /favicon.ico       404, before any check: browsers ask for it without the token
     POST /ask               {"text", "session_id"?, "max_tokens"?} -> text/event-stream of {"partial"} then
                             {"reply"...}: a goal of the streaming conversation action (/oxygen/converse_stream)
     POST /enable            {"enabled": bool} -> the /oxygen/enable service's answer; enabling is refused
@@ -26,6 +28,7 @@ topic); the figures and pictures are read in-process.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import threading
 import time
@@ -54,7 +57,7 @@ PARAMS = [
     Param("token_file", "", "File holding the console's token (first word, at least 16 characters, readable by "
                             "its owner only). Empty: a new token each start, printed with the URL."),
     Param("allowed_hosts", [], "Host names the console may be reached by besides localhost, 127.0.0.1, ::1 "
-                                 "and `host` (a reverse proxy's name). Anything else is refused (DNS rebinding)."),
+                                 "and `host` (a reverse proxy's name). Anything else is refused (DNS rebinding).", item=str),
     Param("max_connections", 32, "Open connections at most; more are answered 503 and closed at once.",
           minimum=1, maximum=1024),
     Param("request_head_timeout_s", 10.0, "A connection that has not sent a whole request head this long after "
@@ -62,6 +65,9 @@ PARAMS = [
           minimum=0.1, maximum=300.0),
 ]
 MAX_SESSION_ID_CHARS = 100
+# Frames kept (references) for the caption's picture: a caption is decoded over several cycles after the frame
+# it describes (16 tokens at one per cycle: 16 frames later), and the page shows it beside that frame.
+CAPTION_FRAMES = 64
 
 
 class _Refused(asyncio.Protocol):
@@ -106,8 +112,12 @@ class ConsoleNode(Node):
         self.enable_client = self.create_client(SetBool, ENABLE_SERVICE)
         self.safe_stop_client = self.create_client(Trigger, safe_stop_service)
         self.prompt_pub = self.create_publisher(String, observation.p["prompt_topic"], 10)
-        self._obs = None
+        self._obs, self._frame_index = None, -1
+        self._frames: collections.OrderedDict = collections.OrderedDict()     # index -> observation (bounded)
+        self._frames_lock = threading.Lock()
+        self._caption = None                  # (the newest caption, the image of the frame it describes or None)
         engine.add_frame_listener(self._on_frame)
+        engine.add_caption_listener(self._on_caption)
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
         self._thread: threading.Thread | None = None
@@ -116,8 +126,19 @@ class ConsoleNode(Node):
         self._activity: dict = {}             # open connection (RequestHandler) -> [requests in progress, last activity]
         self._start_server()
 
-    def _on_frame(self, index, obs) -> None:       # engine thread: a reference only
-        self._obs = obs
+    def _on_frame(self, index, obs) -> None:       # engine thread: references only
+        with self._frames_lock:
+            self._obs, self._frame_index = obs, index
+            self._frames[index] = obs
+            while len(self._frames) > CAPTION_FRAMES:
+                self._frames.popitem(last=False)
+
+    def _on_caption(self, caption) -> None:        # engine thread: references only
+        if caption.robot:                          # the console serves the single robot
+            return
+        with self._frames_lock:
+            obs = self._frames.get(caption.frame_index)
+        self._caption = (caption, _first_image(obs) if obs is not None else None)
 
     # ------------------------------------------------------------------ server thread
     def _start_server(self) -> None:
@@ -153,6 +174,7 @@ class ConsoleNode(Node):
 
     async def _serve(self) -> None:
         app = web.Application(middlewares=[self._guarded])
+        app.router.add_get("/favicon.ico", self._no_icon)
         app.router.add_get("/", self._page)
         app.router.add_get("/picture/{name}", self._picture)
         app.router.add_get("/status", self._status)
@@ -207,6 +229,8 @@ class ConsoleNode(Node):
 
     @web.middleware
     async def _guarded(self, request: web.Request, handler):
+        if request.path == "/favicon.ico":    # asked for by every browser, without the token: no icon, no refusal
+            return await handler(request)
         refusal = self.guard.check(request.method, request.headers, request.query.get("token"),
                                    request.content_type if "Content-Type" in request.headers else "")
         if refusal is not None:
@@ -257,7 +281,9 @@ class ConsoleNode(Node):
         s = self.engine.stats.snapshot()
         robot = s["robots"].get("", {})         # the console serves the single robot (refused with a fleet)
         r = self.action.rate.summary()
-        obs = self._obs
+        with self._frames_lock:
+            obs, frame_index = self._obs, self._frame_index
+        caption = self._caption
         return {
             "lifecycle": self.lifecycle_state(), "enabled": self.action.enabled,
             "action_state": self.action.last_status, "action_hz": r["rate_hz"], "jitter_ms": r["period_ms_std"],
@@ -268,7 +294,13 @@ class ConsoleNode(Node):
             "active_requests": s["active_requests"], "queued_requests": s["queued_requests"],
             "prompt": obs.prompt if obs is not None else "", "reply": self.view.reply if self.view else "",
             "cameras": ["overlay"] + [slot for slot in self.slots if obs is not None and obs.images.get(slot) is not None],
+            "frame_index": frame_index,     # the frame of the camera pictures (-1: none yet)
+            "caption": None if caption is None else {
+                "text": caption[0].text, "frame_index": caption[0].frame_index, "picture": caption[1] is not None},
         }
+
+    async def _no_icon(self, request: web.Request) -> web.Response:
+        return web.Response(status=404)
 
     async def _page(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC / "index.html")
@@ -280,17 +312,17 @@ class ConsoleNode(Node):
         name = request.match_info["name"]
         if name == "overlay":
             data = self.view.latest_jpeg() if self.view else b""
+        elif name == "caption":
+            caption = self._caption
+            data = _jpeg(caption[1]) if caption is not None and caption[1] is not None else b""
         elif name in self.slots:
             obs = self._obs
             image = obs.images.get(name) if obs is not None else None
-            data = b""
-            if image is not None:
-                ok, jpeg = cv2.imencode(".jpg", cv2.cvtColor(image, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, 85])
-                data = jpeg.tobytes()
+            data = _jpeg(image) if image is not None else b""
         else:
-            raise web.HTTPNotFound(text=f"no picture {name!r}: one of overlay, {', '.join(self.slots)}")
-        if not data:
-            raise web.HTTPServiceUnavailable(text="no picture yet")
+            raise web.HTTPNotFound(text=f"no picture {name!r}: one of overlay, caption, {', '.join(self.slots)}")
+        if not data:                          # not an error: the page keeps waiting (a 503 was one in its log)
+            return web.Response(status=204, headers={"Cache-Control": "no-store"})
         return web.Response(body=data, content_type="image/jpeg", headers={"Cache-Control": "no-store"})
 
     async def _json_body(self, request: web.Request) -> dict:
@@ -395,6 +427,16 @@ class ConsoleNode(Node):
             raise web.HTTPBadRequest(text=f"{e} (oxygen_observation.max_prompt_chars)") from None
         self.prompt_pub.publish(String(data=text))
         return web.json_response({"success": True, "prompt": text})
+
+
+def _first_image(obs):
+    """The first camera image of an observation (the debug picture draws on it by default), None if none."""
+    return next((image for image in obs.images.values() if image is not None), None)
+
+
+def _jpeg(rgb) -> bytes:
+    ok, jpeg = cv2.imencode(".jpg", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, 85])
+    return jpeg.tobytes() if ok else b""
 
 
 def _result(r) -> dict:

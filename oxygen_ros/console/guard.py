@@ -38,21 +38,22 @@ def new_token() -> str:
     return secrets.token_urlsafe(TOKEN_BYTES)
 
 
-def read_token(path: str) -> str:
+def read_token(path: str, what: str = "token_file") -> str:
     """The token kept in `path` (its first word). ValueError when the file is missing, too short, or
-    readable by other users (the token is the key to the robot)."""
+    readable by other users (the token is the key to the robot). `what` names the setting in the message
+    (the console's token_file, oxygen_serve's --api-key-file)."""
     file = Path(path)
     try:
         mode = file.stat().st_mode
         lines = file.read_text().split()
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"token_file {path}: {getattr(e, 'strerror', None) or e}") from None
+        raise ValueError(f"{what} {path}: {getattr(e, 'strerror', None) or e}") from None
     token = lines[0] if lines else ""
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"token_file {path} can be read by other users (mode {stat.S_IMODE(mode):o}): "
+        raise ValueError(f"{what} {path} can be read by other users (mode {stat.S_IMODE(mode):o}): "
                          f"chmod 600 {path}")
     if len(token) < MIN_TOKEN_CHARS:
-        raise ValueError(f"token_file {path}: the token has {len(token)} characters, at least {MIN_TOKEN_CHARS} "
+        raise ValueError(f"{what} {path}: the token has {len(token)} characters, at least {MIN_TOKEN_CHARS} "
                          f"are needed (e.g. python -c 'import secrets; print(secrets.token_urlsafe(24))' > {path})")
     return token
 

@@ -48,12 +48,17 @@ class Capacity:
 
     def summary(self) -> str:
         n = len(self.chunks_per_s)
-        head = (f"{n} robots, at most {self.max_per_cycle} frames per cycle, a cycle of {min(n, self.max_per_cycle)} "
-                f"frames {1e3 * self.cost.of(min(n, self.max_per_cycle)):.0f} ms ({self.cost.source})")
+        m = min(n, self.max_per_cycle)
+        head = (f"{_count(n, 'robot')}, at most {self.max_per_cycle} frames per cycle, a cycle of {_count(m, 'frame')} "
+                f"{1e3 * self.cost.of(m):.0f} ms ({self.cost.source})")
         rates = ", ".join(f"{r or 'robot'} {self.chunks_per_s[r]:.1f}/s (needs {self.needed_per_s[r]:.1f})"
                           for r in self.chunks_per_s)
         verdict = f"predicted short: {self.short}" if self.short else "every robot fits its chunk period"
         return f"capacity: {head}; predicted chunks {rates}; {verdict}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 class CapacityCheck:

@@ -1,15 +1,26 @@
 """EngineConfig: every engine setting, declared once. Each field carries its description and bounds; the
 engine validates from them, and the engine node generates its ROS parameters from them (fields marked
-`ros=False` are not node parameters: templates, test and benchmark switches)."""
+`ros=False` are not node parameters: templates, test and benchmark switches). The format templates are
+formatted once when validated, with the fields the engine fills in, so a template the engine could not
+format is refused at configure, not on every question."""
 from __future__ import annotations
 
 import math
+import numbers
+import string
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from oxygen_ros.model import rtc as rtc_fns
+from oxygen_ros.model.config import LIMITS
 
 POLICIES = ("isolated", "shared_kv", "oxygen")
+SEED_MAX = (1 << 63) - 1           # a ROS integer parameter's largest value
+# The format templates and the fields the engine fills each with (and no others: no positional `{0}`, no
+# attribute or index, no format spec); a question template without its question would ask nothing.
+TEMPLATES = {"question_template": ("text",), "subtask_template": ("task",),
+             "action_task_template": ("task", "subtask")}
+REQUIRED_FIELDS = {"question_template": "text"}
 
 
 def setting(default: Any, description: str, *, minimum: float | None = None, maximum: float | None = None,
@@ -58,7 +69,9 @@ class EngineConfig:
     max_stop_chars: int = setting(64, "Longest stop string accepted (characters).", minimum=1, maximum=4096)
     max_timeout_s: float = setting(300.0, "Longest request timeout accepted (seconds).", minimum=0.1)
     question_template: str = setting("{text}\n", "How a question is appended after the frame's prefix.")
-    denoise_steps: int | None = setting(None, "Flow-matching steps (None: the model config's).", ros=False)
+    denoise_steps: int | None = setting(None, "Flow-matching steps (None: the model config's).",
+                                        minimum=LIMITS["num_denoise_steps"].minimum,
+                                        maximum=LIMITS["num_denoise_steps"].maximum, ros=False)
     memory_prompt: str = setting("Describe the scene.", "Prompt of the periodic scene captions.")
     memory_every_frames: int = setting(0, "Caption every N frames (0: off).", minimum=0)
     memory_period_s: float = setting(0.0, "Caption every S seconds (0: off).", minimum=0.0)
@@ -98,7 +111,8 @@ class EngineConfig:
                                                "from its measured latency; tasks/actions.py).", minimum=0,
                                          ros=False)
     max_consecutive_faults: int = setting(5, "Faulty frames in a row that trip the safe stop.", minimum=1)
-    seed: int = setting(0, "Seed of the flow-matching noise and of the random demo weights.")
+    seed: int = setting(0, "Seed of the flow-matching noise and of the random demo weights.", minimum=0,
+                        maximum=SEED_MAX)
     # None: on when the model runs the Triton kernels on CUDA. True on the CPU replays the same fixed-shape
     # steps eagerly (tests). The node exposes it as auto/on/off.
     cuda_graphs: bool | None = setting(None, "Decode steps and denoise loops as CUDA graphs (graphs.py).",
@@ -108,24 +122,84 @@ class EngineConfig:
     ignore_eos: bool = setting(False, "Benchmark only: replies run to max_tokens.", ros=False)
 
     def validate(self) -> None:
-        """Every problem at once, from the fields' declared bounds (NaN fails every bound)."""
+        """Every problem at once (`problems`), in one ValueError."""
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid engine config: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        return self.value_problems() + self.template_problems()
+
+    def value_problems(self) -> list[str]:
+        """Each field's type, choices and declared bounds (NaN fails every bound). The engine node's
+        parameters carry the same bounds, checked as parameters."""
         problems = []
         for f in fields(self):
             value, meta = getattr(self, f.name), f.metadata
             if value is None:
                 continue
-            if meta["choices"] and value not in meta["choices"]:
+            wrong_type = _type_problem(f.type, value)
+            if wrong_type:
+                problems.append(f"{f.name} must be {wrong_type}, got {value!r}")
+            elif meta["choices"] and value not in meta["choices"]:
                 problems.append(f"{f.name} must be one of {meta['choices']}, got {value!r}")
-            if isinstance(value, float) and not math.isfinite(value):
+            elif isinstance(value, float) and not math.isfinite(value):
                 problems.append(f"{f.name} must be finite, got {value}")
             elif meta["minimum"] is not None and not value >= meta["minimum"]:
                 problems.append(f"{f.name} must be >= {meta['minimum']}, got {value}")
             elif meta["maximum"] is not None and not value <= meta["maximum"]:
                 problems.append(f"{f.name} must be <= {meta['maximum']}, got {value}")
-        if "{text}" not in self.question_template:
-            problems.append("question_template must contain {text}")
-        if problems:
-            raise ValueError("invalid engine config: " + "; ".join(problems))
+        return problems
+
+    def template_problems(self) -> list[str]:
+        """Each template formatted once with the fields the engine fills it with: one line per template the
+        engine could not format (it would fail on every question or frame instead)."""
+        problems = []
+        for name, names in TEMPLATES.items():
+            problem = template_problem(getattr(self, name), names, REQUIRED_FIELDS.get(name))
+            if problem:
+                problems.append(f"{name} {getattr(self, name)!r}: {problem}")
+        return problems
+
+
+def template_problem(template: Any, names: tuple[str, ...], required: str | None = None) -> str | None:
+    """Why `template` cannot be a format template with the fields `names` (and `required` among them), or None."""
+    if not isinstance(template, str):
+        return "must be text"
+    allowed = ", ".join(f"{{{n}}}" for n in names)
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:               # a lone brace
+        return f"{e} (write {{{{ and }}}} for a literal brace)"
+    for _, field_name, spec, conversion in parsed:
+        if field_name is None:
+            continue
+        if field_name not in names:
+            return (f"{{{field_name}}} is not a field it may use ({allowed}; write {{{{ and }}}} for a literal "
+                    f"brace)")
+        if spec or conversion:
+            return f"{{{field_name}}} takes no format spec or conversion"
+    if required and required not in {field_name for _, field_name, _, _ in parsed}:
+        return f"must contain {{{required}}}"
+    template.format(**dict.fromkeys(names, "x"))        # formats now that every field is known
+    return None
+
+
+def _type_problem(annotation: str, value: Any) -> str | None:
+    """What a field's value must be, when it is not of its declared type (a bool is not an integer here)."""
+    kinds = set(annotation.replace(" ", "").split("|")) - {"None"}
+    if isinstance(value, bool):
+        return None if "bool" in kinds else _TYPE_WORDS[sorted(kinds)[0]]
+    if "int" in kinds and isinstance(value, numbers.Integral):
+        return None
+    if "float" in kinds and isinstance(value, numbers.Real):
+        return None
+    if "str" in kinds and isinstance(value, str):
+        return None
+    return " or ".join(_TYPE_WORDS[k] for k in sorted(kinds) if k in _TYPE_WORDS) or None
+
+
+_TYPE_WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "text"}
 
 
 def node_settings() -> list:

@@ -221,6 +221,7 @@ class Engine:
                 return False
             self._thread = None
         self.scheduler.fail_all("engine stopped")
+        self.conversation.release_held()
         return True
 
     def reset_fault(self) -> None:
@@ -249,7 +250,10 @@ class Engine:
         ahead = self.prepare_ahead
         try:
             while not self._stop.is_set():
-                self._intake.wait(self.frame_period, prepared_only=ahead)
+                # Running requests: the next cycle at once, with or without a frame (a cycle without one has
+                # a frame period of language and stops early for a frame). Else wait for a frame or a request.
+                if not self.scheduler.running:
+                    self._intake.wait(self.frame_period, prepared_only=ahead)
                 if self._stop.is_set():
                     break
                 if not self._intake.pending(prepared_only=ahead) and not self.scheduler.has_work:
@@ -260,6 +264,7 @@ class Engine:
                     log.exception("engine cycle failed")
         finally:
             self.scheduler.fail_all("engine stopped")
+            self.conversation.release_held()
 
     def run_cycle(self, obs=None, noise: np.ndarray | None = None, robot: str = "") -> CycleReport:
         """One cycle for one robot's observation (decode-only when obs is None and nothing is pending)."""
@@ -292,8 +297,9 @@ class Engine:
             self.stats.count_robot(robot, "deferred")
         with contextlib.ExitStack() as cycle:       # the cycle's frame references, released on every path
             frames = self._frames(due, report, cycle) if due and not self.faulted else []
-            if frames or self.scheduler.has_work:
-                # Language ends by the chunk deadline, and by the next camera frame expected (actions first).
+            if frames or self.scheduler.has_work or self.conversation.held:
+                # Language ends by the chunk deadline (a cycle without a frame: a frame period from its start),
+                # and by the next camera frame expected (actions first).
                 deadline = min(start + self.frame_period, self._intake.next_arrival(self.clock()) or float("inf"))
                 self.conversation.run({f.robot: f for f in frames}, report, deadline)
         report.duration_s = self.clock() - start
@@ -374,6 +380,9 @@ class Engine:
             log.warning("frame %d%s: observation rejected: %s", index, _of(robot), e)
             self._discard_listeners(robot, f"observation rejected: {e}")
             return None
+        except Exception as e:  # noqa: BLE001 - e.g. frame_noise refusing the seed: the frame's fault, not the loop's
+            self._fault(robot, index, f"preparing the frame failed: {type(e).__name__}: {e}", report)
+            return None
         self._frame_listeners(index, pending.obs)
         return Frame(robot, index, preparer, prepared, noise, pending.deadline, pending.obs.prompt)
 
@@ -390,6 +399,7 @@ class Engine:
             log.error("engine safe stop: %s", self.faulted)
             self.actions.forget()
             self.scheduler.fail_all(f"engine stopped after repeated faults: {message}")
+            self.conversation.release_held()
 
 
 def _of(robot: str) -> str:      # " of robot 'name'" in messages, nothing for the single robot ""

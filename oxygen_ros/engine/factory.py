@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
-from oxygen_ros.model.checkpoint import init_random_weights, load_pi05
+from oxygen_ros.model.checkpoint import check_weights, init_random_weights, load_pi05
 from oxygen_ros.model.config import Pi05Config, load_config, preset
+from oxygen_ros.model.files import present
 from oxygen_ros.model.pi05 import Pi05
 from oxygen_ros.model.tokenizer import Tokenizer
 from oxygen_ros.robot.policy_io import RobotIOConfig, build_policy_io
@@ -83,6 +84,44 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
                                       norm_sources["asset_id"][name], state_in_prompt, checkpoint)
                  for name, io_cfg in robots.items()}
     return Engine(make_runner(net, pool, backend), preparers, tok, engine or EngineConfig())
+
+
+def file_problems(cfg: Pi05Config, *, checkpoint: str | None = None, tokenizer: str | None = None,
+                  norm_stats: str | Mapping[str, str | None] | None = None,
+                  asset_id: str | Mapping[str, str | None] | None = None, robot_io: RobotIOConfig | None = None,
+                  robots: Mapping[str, RobotIOConfig] | None = None) -> list[str]:
+    """Every problem with the files an engine would be built from (build_engine's arguments), one line each,
+    found as build_engine finds them but with nothing loaded: the weights' headers (names, shapes, dtypes
+    against `cfg`), the tokenizer, each robot's statistics and policy I/O. The engine node lists these with
+    its other parameter problems before anything starts. A source that is not there at all is left to the
+    caller, which names it by its parameter."""
+    problems: list[str] = []
+
+    def check(run: Callable[[], object], robot: str = "") -> None:
+        try:
+            run()
+        except ValueError as e:           # CheckpointError, the policy I/O's ConfigError
+            for line in str(e).splitlines():
+                line = f"{robot}: {line}" if robot else line
+                if line not in problems:  # the checkpoint's own files, once for every robot
+                    problems.append(line)
+
+    there = (lambda source: source if source and present(source) else None)
+    checkpoint, tokenizer = there(checkpoint), there(tokenizer)
+    if checkpoint:
+        check(lambda: check_weights(checkpoint, cfg))
+    if tokenizer:
+        check(lambda: Tokenizer(tokenizer))
+    try:
+        robots = _robots(robot_io, robots)
+        sources = _per_robot(robots, norm_stats=norm_stats, asset_id=asset_id)
+    except ValueError as e:
+        return problems + str(e).splitlines()
+    for name, io_cfg in robots.items():
+        check(lambda: build_policy_io(io_cfg, checkpoint=checkpoint, norm_stats=there(sources["norm_stats"][name]),
+                                      asset_id=sources["asset_id"][name], model_action_dim=cfg.action_dim,
+                                      image_size=cfg.vision.image_size, camera_slots=cfg.camera_slots), name)
+    return problems
 
 
 def robot_preparer(cfg: Pi05Config, tokenizer: Tokenizer, io_cfg: RobotIOConfig, norm_stats: str | None = None,

@@ -33,6 +33,8 @@ from .frames import FramePreparer, PreparedFrame
 
 log = logging.getLogger("oxygen_ros.engine")
 
+LATE_FRACTION = 0.25      # of a camera's interval: how late its next frame may be and still be expected now
+
 
 @dataclass(frozen=True)
 class Pending:
@@ -82,11 +84,15 @@ class Intake:
 
     def next_arrival(self, now: float) -> float | None:
         """When the next live observation of any robot is expected (engine clock), from each robot's last
-        arrival and its cameras' mean interval; None when no robot has a rhythm. A robot silent for more
-        than three intervals (a camera stopped) is not expected."""
+        arrival and its camera's mean interval; None when no robot has a rhythm. A frame late by up to
+        LATE_FRACTION of its interval (a camera's jitter) is expected now; one later than that is not
+        expected at all: its camera paused, or its client waits for a reply before it sends the next frame
+        (an openpi client that asked a question). Expecting it "now" for longer would cut every cycle's
+        language to its minimum while the client waits for exactly that language. A frame that does come
+        later still ends the language work at the next step boundary (the engine checks for one)."""
         with self.cv:
             expected = [last + interval for last, interval in self._arrivals.values()
-                        if interval is not None and now - last <= 3 * interval]
+                        if interval is not None and now <= last + (1 + LATE_FRACTION) * interval]
         return max(now, min(expected)) if expected else None
 
     def put_ready(self, robot: str, item: Pending) -> None:

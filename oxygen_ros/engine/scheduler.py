@@ -22,6 +22,7 @@ continuing after the owner served last, so one robot's burst cannot starve anoth
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import threading
@@ -48,59 +49,93 @@ KINDS = ("conversation", "memory")
 
 class ForwardCost:
     """The online cost model of a text forward (a decode step or a question prefill): time = a + b x rows +
-    c x tokens, fitted by least squares over the last `window` forwards measured, plus the exact moving
-    average of decode steps per batch size (rows = tokens), which wins where it exists. Before anything is
-    measured every prediction is 0 (the guaranteed minimum work then measures it)."""
+    c x tokens with a, b, c >= 0, fitted by non-negative least squares over the last `window` decode steps
+    and the last `window` question prefills measured (kept apart, so that a run of decode steps never pushes
+    the prefills that make the token cost identifiable out of the window), plus the exact moving average of
+    decode steps per batch size (rows = tokens), which wins where it exists.
 
-    def __init__(self, window: int = 64, smoothing: float = 0.3):
+    A coefficient is never negative: an unconstrained fit of a forward that is faster than linear (its
+    per-token cost falls as it grows) can come out with a negative intercept or row cost, and predict that a
+    large forward fits where a small one does not, or that nothing fits at all. Before a token cost is
+    known (`tokens_within` None), the budget's guaranteed minimum does the work, which then measures it."""
+
+    def __init__(self, window: int = 32, smoothing: float = 0.3):
         self.smoothing = smoothing
         self._step_s: dict[int, float] = {}                       # decode steps: batch size -> moving average
-        self._seen: collections.deque = collections.deque(maxlen=window)   # (rows, tokens, seconds)
-        self._coef: np.ndarray | None = None
+        self._steps: collections.deque = collections.deque(maxlen=window)      # (rows, tokens, seconds)
+        self._prefills: collections.deque = collections.deque(maxlen=window)
+        self._coef: np.ndarray | None = None                      # (a, b, c), each >= 0
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        if not (math.isfinite(seconds) and seconds >= 0 and rows >= 1 and tokens >= rows):
+            return                                                  # a clock step back, a bogus figure
         if rows == tokens:
             self._step_s[rows] = _ema(self._step_s.get(rows), seconds, self.smoothing)
-        self._seen.append((rows, tokens, seconds))
-        x = np.array([(1.0, r, t) for r, t, _ in self._seen])
-        coef = np.linalg.lstsq(x, np.array([s for _, _, s in self._seen]), rcond=None)[0]
-        self._coef = coef if (coef >= 0).all() else None          # a fit that makes no sense yet: unused
+            self._steps.append((rows, tokens, seconds))
+        else:
+            self._prefills.append((rows, tokens, seconds))
+        seen = list(self._steps) + list(self._prefills)
+        self._coef = _nonnegative_fit(np.array([(1.0, r, t) for r, t, _ in seen]), np.array([s for _, _, s in seen]))
+
+    @property
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(a, b, c) of time = a + b x rows + c x tokens, or None before any measurement."""
+        return None if self._coef is None else tuple(float(x) for x in self._coef)
 
     def step(self, batch: int) -> float:
-        """A decode step of `batch` rows: its own average, else the linear model, else (no usable fit yet)
-        scaled from the nearest measured size (up to the larger, proportionally from a smaller one)."""
+        """A decode step of `batch` rows: its own average, else the linear model (0 before any measurement:
+        the guaranteed minimum measures it)."""
         if batch in self._step_s:
             return self._step_s[batch]
-        if self._coef is not None:
-            return self.forward(batch, batch)
-        larger = [b for b in self._step_s if b > batch]
-        if larger:
-            return self._step_s[min(larger)]
-        smaller = [b for b in self._step_s if b < batch]
-        return self._step_s[max(smaller)] * batch / max(smaller) if smaller else 0.0
+        return self.forward(batch, batch)
 
     def forward(self, rows: int, tokens: int) -> float:
         return 0.0 if self._coef is None else float(self._coef @ (1.0, rows, tokens))
 
     def tokens_within(self, seconds: float, rows: int) -> int | None:
-        """Most tokens a forward over `rows` rows can take in `seconds` (None: no usable fit yet)."""
+        """Most tokens a forward over `rows` rows is predicted to take in `seconds`: the largest n with
+        forward(rows, n) <= seconds (0 when not even the rows fit); None while the token cost is unknown."""
         if self._coef is None or self._coef[2] <= 0:
             return None
-        return max(0, int((seconds - self._coef[0] - self._coef[1] * rows) / self._coef[2]))
+        a, b, c = self._coef
+        return max(0, math.floor((seconds - a - b * rows) / c))
+
+
+def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares of x @ coef ~ y with every coefficient >= 0 (three columns: the exact answer is the best
+    of the unconstrained fits over the subsets of columns whose coefficients all come out non-negative;
+    Lawson and Hanson's active set, enumerated)."""
+    best, best_residual = np.zeros(x.shape[1]), float(np.sum(y * y))
+    # Largest subsets first, ties kept: measurements that cannot tell the columns apart (one forward size
+    # seen so far) give the minimum-norm fit, which shares the time out (token cost > 0), not an intercept
+    # alone (no token cost: nothing would be predicted to fit).
+    for k in range(x.shape[1], 0, -1):
+        for cols in itertools.combinations(range(x.shape[1]), k):
+            sub = np.linalg.lstsq(x[:, cols], y, rcond=None)[0]
+            if (sub < 0).any():
+                continue
+            residual = float(np.sum((x[:, cols] @ sub - y) ** 2))
+            if residual < best_residual - 1e-15 * max(1.0, best_residual):
+                best, best_residual = np.zeros(x.shape[1]), residual
+                best[list(cols)] = sub
+    return best
 
 
 class LanguageBudget:
     """How much language work a cycle does, from the online cost model (`ForwardCost`) of what the forwards
     measured. The cycle's deadline is the earlier of its robots' next chunk due and the next camera frame
-    expected (actions first).
+    expected (actions first); a cycle without a frame has a frame period (the engine sets its deadline).
 
     Question prefill, chunked (as Sarathi-Serve and vLLM do): each cycle prefills the next tokens of the
     questions admitted so far, in one batched forward, and a long question spreads over cycles (its partial
     KV stays in its own blocks). "deadline": as many question tokens as fit before the deadline after
-    `min_steps` decode steps of the running batch, and in a frame cycle at least `chunk_tokens` while
-    questions wait (language is slowed, never starved); "fixed": exactly up to `chunk_tokens`.
+    `min_steps` decode steps of the running batch, predicted for the rows the forward really takes (the
+    questions that get tokens, not all that wait), and at least `chunk_tokens` in every cycle while questions
+    wait, frame or no frame (language is slowed, never starved; a cost model that predicts nothing fits
+    cannot stall it, and the minimum it does is measured); "fixed": exactly up to `chunk_tokens`.
     Decode steps: "fixed": exactly `tokens_per_frame` per cycle (the OxyGen paper's setting); "deadline":
-    while the predicted end of the next step stays before the deadline, and at least `min_steps`."""
+    while the predicted end of the next step stays before the deadline, and at least `min_steps` (at least
+    one in a cycle without a frame: nothing else is waiting for the time)."""
 
     def __init__(self, mode: str, tokens_per_frame: int, min_steps: int, chunk_tokens: int):
         if mode not in ("fixed", "deadline"):
@@ -109,20 +144,50 @@ class LanguageBudget:
         self.chunk_tokens = chunk_tokens
         self.cost = ForwardCost()
 
-    def another_step(self, steps_done: int, now: float, deadline: float, batch: int) -> bool:
+    def another_step(self, steps_done: int, now: float, deadline: float, batch: int, frame: bool = True) -> bool:
         if self.mode == "fixed":
             return steps_done < self.tokens_per_frame
-        if steps_done < self.min_steps:
+        if steps_done < (self.min_steps if frame else max(1, self.min_steps)):
             return True
         return now + self.cost.step(batch) <= deadline
 
-    def prefill_tokens(self, now: float, deadline: float, decode_batch: int, rows: int, guaranteed: bool) -> int:
-        """Question tokens to prefill in this cycle's forward over `rows` questions, with `decode_batch`
-        requests decoding after it; at least `chunk_tokens` when `guaranteed` (a frame cycle)."""
-        minimum = self.chunk_tokens if guaranteed or self.mode == "fixed" else 0
-        left = deadline - now - (self.min_steps * self.cost.step(decode_batch) if decode_batch else 0.0)
-        fit = self.cost.tokens_within(left, rows) if self.mode == "deadline" else None
-        return minimum if fit is None else max(minimum, fit)
+    def prefill_tokens(self, now: float, deadline: float, decode_batch: int, remaining: list[int]) -> list[int]:
+        """Question tokens to prefill in this cycle's forward: per question waiting (`remaining`: the tokens
+        each has left, first admitted first), how many it gets now, with `decode_batch` requests decoding
+        after the forward (and the questions it completes: they decode too). First come first served: a
+        question gets tokens only once every question before it has all of its own; the total is at least
+        `chunk_tokens` (or what is left)."""
+        budget = self.chunk_tokens
+        if self.mode == "deadline":
+            budget = max(budget, self._fit(deadline - now, decode_batch, remaining))
+        counts = []
+        for n in remaining:
+            take = min(n, budget)
+            if take <= 0:
+                break
+            counts.append(take)
+            budget -= take
+        return counts
+
+    def _fit(self, seconds: float, decode_batch: int, remaining: list[int]) -> int:
+        """Most question tokens one forward can take in `seconds` followed by `min_steps` decode steps, for
+        the rows it would really have: the tokens that fit over k rows, k the questions those tokens reach; a
+        question the forward completes decodes in those steps too. 0 while the token cost is unknown."""
+        def within(rows: int, decoding: int) -> int | None:
+            return self.cost.tokens_within(seconds - self.min_steps * self.cost.step(decoding), rows)
+
+        best, before = 0, 0
+        for rows, n in enumerate(remaining, start=1):
+            partial = within(rows, decode_batch + rows - 1)        # the k-th question left unfinished
+            if partial is None or partial <= before:
+                break                                               # this row's question would get no token
+            if partial < before + n:
+                return partial
+            complete = within(rows, decode_batch + rows)           # it completes and decodes
+            if complete < before + n:
+                return before + n - 1
+            best = before = before + n
+        return best
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
         self.cost.observe(rows, tokens, seconds)
@@ -184,6 +249,11 @@ class Scheduler:
         """Requests of this kind that this owner has waiting (its per-owner cap: max_queued_per_owner)."""
         with self._lock:
             return self._waiting_of(owner, kind)
+
+    def waiting_owners(self) -> set[str]:
+        """The owners with a request waiting for admission."""
+        with self._lock:
+            return {s.request.owner for s in self.waiting}
 
     def _waiting_of(self, owner: str, kind: str) -> int:
         return sum(1 for s in self.waiting if s.request.owner == owner and s.request.kind == kind)
@@ -353,23 +423,15 @@ class Scheduler:
         """The running sequences whose question is prefilled (each has its last sampled token to feed)."""
         return [s for s in self.running if not s.prefilling][:self.config.max_active_requests]
 
-    def prefill_chunks(self, now: float, deadline: float, guaranteed: bool = True) -> list[tuple[Sequence, int]]:
+    def prefill_chunks(self, now: float, deadline: float) -> list[tuple[Sequence, int]]:
         """This cycle's question prefill: (sequence, tokens of its question to append now), first admitted
-        first, within the budget's token count (chunked prefill; see LanguageBudget); `guaranteed`: at least
-        the minimum chunk (a frame cycle)."""
+        first, within the budget's token count (chunked prefill; see LanguageBudget)."""
         prefilling = [s for s in self.running if s.prefilling]
         if not prefilling:
             return []
-        left = self.budget.prefill_tokens(now, deadline, len(self.running) - len(prefilling), len(prefilling),
-                                          guaranteed)
-        chunks = []
-        for seq in prefilling:
-            n = min(len(seq.question) - seq.own_len, left)
-            if n <= 0:
-                break
-            chunks.append((seq, n))
-            left -= n
-        return chunks
+        counts = self.budget.prefill_tokens(now, deadline, len(self.running) - len(prefilling),
+                                            [len(s.question) - s.own_len for s in prefilling])
+        return list(zip(prefilling, counts))
 
     def postprocess(self, seqs: list[Sequence], fed: list[int], logits: torch.Tensor) -> int:
         """After a forward that appended fed[i] tokens to seqs[i]: record them; then for each sequence whose

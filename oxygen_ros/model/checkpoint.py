@@ -17,9 +17,10 @@ built on the meta device, so a full-size checkpoint is never held twice.
 """
 from __future__ import annotations
 
-import json
 import logging
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import Pi05Config
+from .config import LIMITS, Pi05Config
+from .files import (LEROBOT_POSTPROCESSOR, LEROBOT_PREPROCESSOR, CheckpointError, JsonObject, is_file_name,
+                    present, processor_steps, regular_file)
 from .pi05 import Pi05, param_dtype
 
 _PG = "paligemma_with_expert.paligemma."
@@ -75,8 +78,10 @@ IGNORED = re.compile(r"^paligemma_with_expert\.gemma_expert\.(lm_head\.weight|mo
 log = logging.getLogger(__name__)
 
 
-class CheckpointError(ValueError):
-    pass
+MAX_IMAGE_SIDE = 4096      # the largest image side a LeRobot checkpoint may resize its cameras to
+# Weights are read in these dtypes (then cast to the serving dtype); an integer, boolean or 8-bit float
+# tensor is not a π0.5 weight (a quantised checkpoint needs its scales), whatever its shape.
+WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def _template_regex(template: str) -> re.Pattern:
@@ -103,37 +108,47 @@ def openpi_name(local: str) -> str:
     return name
 
 
+def folder_of(path: str | Path) -> Path:
+    """The checkpoint's directory: `path` itself, or the folder of a weights file given directly."""
+    path = Path(path)
+    return path if path.is_dir() else path.parent
+
+
 def _files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
+    try:
+        is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+    except OSError:
+        is_dir = False
+    if not is_dir:
+        return [regular_file(path)]               # the weights file itself, or a CheckpointError naming it
     index = path / "model.safetensors.index.json"
-    if index.exists():  # sharded checkpoint
+    if present(index):  # sharded checkpoint
         return [path / s for s in _shard_names(index)]
     single = path / "model.safetensors"
-    if single.exists():
-        return [single]
-    raise CheckpointError(f"no model.safetensors in {path} (π0.5 checkpoints are loaded from safetensors only)")
+    if present(single):
+        return [regular_file(single)]
+    raise CheckpointError(f"{path}: no model.safetensors in it (π0.5 checkpoints are loaded from safetensors only)")
 
 
 def _shard_names(index: Path) -> list[str]:
     """The shard files an index names: bare file names beside it (never `../` or an absolute path)."""
-    try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (ValueError, AttributeError) as e:  # JSONDecodeError, UnicodeDecodeError, not an object
-        raise CheckpointError(f"{index}: not valid JSON with a weight_map ({e})") from None
-    if not isinstance(weight_map, dict):
+    weight_map = JsonObject.load(index).object("weight_map")
+    if weight_map is None:
         raise CheckpointError(f"{index}: has no weight_map object")
-    shards = sorted(set(map(str, weight_map.values())))
-    for name in set(weight_map.values()):
-        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+    names = list(weight_map.data.values())
+    for name in names:
+        if not is_file_name(name):
             raise CheckpointError(f"{index}: shard name {name!r} is not a file name in {index.parent}")
-        if not (index.parent / name).is_file():
+        if not present(index.parent / name):
             raise CheckpointError(f"{index}: shard {name} not found in {index.parent}")
-    return shards
+        regular_file(index.parent / name)
+    return sorted(set(names))
 
 
 def _open(f: Path):
-    """safe_open with a CheckpointError naming the file when it is not a readable safetensors file."""
+    """safe_open with a CheckpointError naming the file when it is not a readable safetensors file (a FIFO
+    or a directory is refused before it is opened: opening a FIFO blocks)."""
+    regular_file(f)
     try:
         return safe_open(str(f), framework="pt", device="cpu")
     except Exception as e:  # noqa: BLE001 - SafetensorError (not exported) or OSError: the file is unusable
@@ -191,30 +206,47 @@ def read_key_map(path: str | Path) -> tuple[str, dict[str, tuple[Path, str]]]:
     return fmt, mapping
 
 
+# A checkpoint's config.json keys that set a model setting (openpi's conversion writes action_horizon and
+# action_dim; LeRobot's the others), bounded as the model config bounds the setting (config.LIMITS).
+RECORDED = {"action_horizon": "action_horizon", "action_dim": "action_dim", "chunk_size": "action_horizon",
+            "max_action_dim": "action_dim", "tokenizer_max_length": "max_token_len",
+            "num_inference_steps": "num_denoise_steps"}
+
+
 def checkpoint_settings(path: str | Path) -> dict:
     """Model settings recorded next to the weights, in Pi05Config field names: openpi's conversion writes
     config.json with action_horizon/action_dim; LeRobot's has chunk_size, max_action_dim,
     tokenizer_max_length and num_inference_steps; ours may add prefix_conditioning (a bool). Empty when there
-    is no such file."""
-    path = Path(path)
-    config = (path if path.is_dir() else path.parent) / "config.json"
-    if not config.is_file():
+    is no such file. Each value is checked against the model config's bounds (config.LIMITS): a
+    CheckpointError names the file and every key that is wrong, one line each."""
+    config = folder_of(path) / "config.json"
+    if not present(config):
         return {}
+    data = JsonObject.load(config)
+    settings, problems = {}, []
+    for theirs, ours in RECORDED.items():
+        limit = LIMITS[ours]
+        try:
+            value = data.integer(theirs, limit.minimum, limit.maximum)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        if value is None:
+            continue
+        if ours in settings and settings[ours][1] != value:
+            problems.append(f"{config}: {theirs} {value} contradicts {settings[ours][0]} {settings[ours][1]} "
+                            f"(both set {ours})")
+        settings.setdefault(ours, (theirs, value))
     try:
-        data = json.loads(config.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        return {}
-    names = {"action_horizon": "action_horizon", "action_dim": "action_dim", "chunk_size": "action_horizon",
-             "max_action_dim": "action_dim", "tokenizer_max_length": "max_token_len",
-             "num_inference_steps": "num_denoise_steps"}
-    settings = {ours: int(data[theirs]) for theirs, ours in names.items() if isinstance(data.get(theirs), int)}
-    if "prefix_conditioning" in data:       # written by oxygen_ros.training.train --prefix-delay-max
-        if not isinstance(data["prefix_conditioning"], bool):
-            raise CheckpointError(f"{config}: prefix_conditioning must be true or false, "
-                                  f"got {data['prefix_conditioning']!r}")
-        settings["prefix_conditioning"] = data["prefix_conditioning"]
+        conditioned = data.boolean("prefix_conditioning")   # written by oxygen_ros.training.train --prefix-delay-max
+    except CheckpointError as e:
+        problems.append(str(e))
+        conditioned = None
+    if problems:
+        raise CheckpointError("\n".join(problems))
+    settings = {ours: value for ours, (_, value) in settings.items()}
+    if conditioned is not None:
+        settings["prefix_conditioning"] = conditioned
     return settings
 
 
@@ -253,55 +285,56 @@ def lerobot_policy(path: str | Path) -> LeRobotPolicy | None:
     except those whose name in `action_names` contains one of `exclude_joints` (default "gripper"). A
     directory without processor configs is read as LeRobot would build them from config.json
     (use_relative_actions, relative_exclude_joints, action_feature_names)."""
-    path = Path(path)
-    folder = path if path.is_dir() else path.parent
-    data = _json(folder / "config.json")
-    if not isinstance(data, dict) or data.get("type") != "pi05":
+    folder = folder_of(path)
+    config = folder / "config.json"
+    if not present(config):
         return None
-    features = data.get("input_features") or {}
-    action = ((data.get("output_features") or {}).get("action") or {}).get("shape")
-    action_dim = int(action[0]) if isinstance(action, list) and len(action) == 1 else None
-    resolution = data.get("image_resolution")
-    resolution = tuple(map(int, resolution)) if isinstance(resolution, list) and len(resolution) == 2 else None
+    data = JsonObject.load(config)
+    if data.raw("type") != "pi05":
+        return None
+    features = data.object("input_features")
+    cameras = []
+    for name in features.keys() if features else ():
+        feature = features.object(name)
+        if feature is not None and feature.string("type") == "VISUAL":
+            cameras.append(name)
+    action = (data.object("output_features") or JsonObject({}, config)).object("action")
+    shape = action.integers("shape", 1, 1, LIMITS["action_dim"].maximum) if action is not None else None
+    action_dim = shape[0] if shape else None
+    resolution = data.integers("image_resolution", 2, 1, MAX_IMAGE_SIDE)
     relative = _relative_step(folder, data)
     mask: tuple[bool, ...] = ()
     if relative is not None:
         if action_dim is None:
-            raise CheckpointError(f"{folder / 'config.json'}: relative actions need the action feature's size "
+            raise CheckpointError(f"{config}: relative actions need the action feature's size "
                                   f"(output_features.action.shape)")
         mask = _relative_mask(action_dim, *relative)
-    return LeRobotPolicy(tuple(k for k, v in features.items() if isinstance(v, dict) and v.get("type") == "VISUAL"),
-                         action_dim=action_dim, image_resolution=resolution, relative_mask=mask)
+    return LeRobotPolicy(tuple(cameras), action_dim=action_dim,
+                         image_resolution=tuple(resolution) if resolution else None, relative_mask=mask)
 
 
-def _json(file: Path):
-    try:
-        return json.loads(file.read_text()) if file.is_file() else None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
-
-
-def _relative_step(folder: Path, config: dict) -> tuple[list[str], list[str] | None] | None:
+def _relative_step(folder: Path, config: JsonObject) -> tuple[list[str], list[str] | None] | None:
     """(exclude_joints, action_names) when the directory's actions are relative; None when absolute."""
-    pre, post = _json(folder / "policy_preprocessor.json"), _json(folder / "policy_postprocessor.json")
-    if pre is None and post is None:
-        if not config.get("use_relative_actions", False):
+    pre, post = folder / LEROBOT_PREPROCESSOR, folder / LEROBOT_POSTPROCESSOR
+    if not present(pre) and not present(post):
+        if not config.boolean("use_relative_actions"):
             return None
-        return list(config.get("relative_exclude_joints", ["gripper"]) or []), config.get("action_feature_names")
+        excluded = config.strings("relative_exclude_joints") if "relative_exclude_joints" in config.data \
+            else ["gripper"]                                  # LeRobot's default
+        return list(excluded or []), config.strings("action_feature_names")
 
-    def step(pipeline, name):
-        steps = pipeline.get("steps") if isinstance(pipeline, dict) else None
-        found = [s for s in steps or [] if isinstance(s, dict) and s.get("registry_name") == name]
-        return found[0].get("config") or {} if found else None
+    def step(pipeline: Path, name: str) -> JsonObject | None:
+        found = processor_steps(pipeline, name) if present(pipeline) else []
+        return (found[0].object("config") or JsonObject({}, pipeline)) if found else None
 
     absolute = step(post, "absolute_actions_processor")
-    if not (absolute or {}).get("enabled", False):
+    if absolute is None or not absolute.boolean("enabled"):
         return None
     relative = step(pre, "relative_actions_processor")
     if relative is None:
         raise CheckpointError(f"{folder}: the post-processor adds the state to the actions (absolute_actions_"
                               f"processor) but the pre-processor has no relative_actions_processor to say where")
-    return list(relative.get("exclude_joints") or []), relative.get("action_names")
+    return list(relative.strings("exclude_joints") or []), relative.strings("action_names")
 
 
 def _relative_mask(action_dim: int, exclude_joints: list[str], action_names: list[str] | None) -> tuple[bool, ...]:
@@ -314,49 +347,78 @@ def _relative_mask(action_dim: int, exclude_joints: list[str], action_names: lis
     return tuple(mask + [True] * (action_dim - len(mask)))
 
 
+def check_weights(path: str | Path, cfg: Pi05Config) -> tuple[str, dict[str, tuple[Path, str]]]:
+    """The checkpoint's format and key map (read_key_map), once its files' headers (no tensor is read) show
+    every weight of `cfg` in its shape and in a floating dtype: otherwise a CheckpointError naming the keys.
+    Cheap: the engine node runs it at configure, with its other checks, before anything is loaded."""
+    fmt, mapping = read_key_map(path)
+    files = {f for f, _ in mapping.values()}
+    where = files.pop() if len(files) == 1 else path          # the weights file, when there is one
+    with torch.device("meta"):
+        model = Pi05(cfg)
+    expected = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    prefix = "model." if fmt == "lerobot" else ""
+    missing = [prefix + openpi_name(n) for n in expected if n not in mapping]
+    if missing:
+        raise CheckpointError(f"{where} ({fmt} format): {len(missing)} missing key(s): {_listing(missing)}")
+    if "lm_head.weight" in mapping:                     # a text head apart from the embedding: its shape
+        expected["lm_head.weight"] = expected["embed_tokens.weight"]
+    mismatched, not_weights = [], []
+    handles = {}
+    try:
+        for name, shape in expected.items():
+            f, key = mapping[name]
+            if f not in handles:
+                handles[f] = _open(f)
+            found = handles[f].get_slice(key)
+            if found.get_dtype() not in WEIGHT_DTYPES:
+                not_weights.append(f"{key} is {found.get_dtype()}")
+            elif tuple(found.get_shape()) != shape:
+                mismatched.append(f"{key} has shape {list(found.get_shape())}, the config expects {list(shape)}")
+    finally:
+        handles.clear()
+    if not_weights:
+        raise CheckpointError(f"{where}: {len(not_weights)} tensor(s) are not floating-point weights "
+                              f"({', '.join(WEIGHT_DTYPES)}): " + _first(not_weights))
+    if mismatched:
+        raise CheckpointError(f"{where}: {len(mismatched)} tensor(s) do not match the model config "
+                              f"(wrong preset or sizes?): " + _first(mismatched))
+    return fmt, mapping
+
+
+def _first(problems: list[str], shown: int = 8) -> str:
+    return "; ".join(problems[:shown]) + (f" ... and {len(problems) - shown} more" if len(problems) > shown else "")
+
+
 def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "cpu",
               dtype: torch.dtype = torch.float32, islands: bool = True) -> Pi05:
     """Build the model for `cfg` and fill it from the checkpoint at `path` (directory or file), in `dtype`
     except openpi's float32 islands (pi05.FLOAT32_ISLANDS) unless `islands` is False."""
-    fmt, mapping = read_key_map(path)
+    fmt, mapping = check_weights(path, cfg)
     with torch.device("meta"):
         model = Pi05(cfg)
-    expected = dict(model.named_parameters())
-    prefix = "model." if fmt == "lerobot" else ""
-    missing = [prefix + openpi_name(n) for n in expected if n not in mapping]
-    if missing:
-        raise CheckpointError(f"{path} ({fmt} format): {len(missing)} missing key(s): {_listing(missing)}")
-    state, mismatched = {}, []
-    handles = {}
+    state, handles = {}, {}
     try:
-        for name, param in expected.items():
+        for name in dict(model.named_parameters()):
             f, key = mapping[name]
             if f not in handles:
                 handles[f] = _open(f)
-            shape = tuple(handles[f].get_slice(key).get_shape())
-            if shape != tuple(param.shape):
-                mismatched.append(f"{key} has shape {list(shape)}, the config expects {list(param.shape)}")
-                continue
             state[name] = handles[f].get_tensor(key).to(device=device, dtype=param_dtype(name, dtype, islands))
+        if "lm_head.weight" in mapping:
+            f, key = mapping["lm_head.weight"]
+            if f not in handles:
+                handles[f] = _open(f)
+            head = handles[f].get_tensor(key).to(device=device, dtype=dtype)
     finally:
         handles.clear()
-    if mismatched:
-        raise CheckpointError(f"{path}: {len(mismatched)} tensor(s) do not match the model config "
-                              f"(wrong preset or sizes?): " + "; ".join(mismatched[:8])
-                              + (f" ... and {len(mismatched) - 8} more" if len(mismatched) > 8 else ""))
     model.load_state_dict(state, strict=True, assign=True)
     if "lm_head.weight" in mapping:
-        f, key = mapping["lm_head.weight"]
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            head = sf.get_tensor(key).to(device=device, dtype=dtype)
-        if head.shape != model.embed_tokens.weight.shape:
-            raise CheckpointError(f"{path}: {key} has shape {list(head.shape)}, the embedding "
-                                  f"{list(model.embed_tokens.weight.shape)}")
         diff = (head.float() - model.embed_tokens.weight.float()).abs().max().item()
         if diff > 0:
             model.lm_head = head
             log.warning(f"{path}: lm_head and embed_tokens differ (max |diff| {diff:.3g}): embedding with "
                         f"embed_tokens (as LeRobot does), text logits with lm_head")
+    model.time_grid = fmt           # denoised on its format's flow-time grid (pi05.TIME_GRIDS)
     return model.eval().requires_grad_(False)
 
 

@@ -11,11 +11,33 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
+from .files import MAX_JSON_BYTES, read_bytes
+
 CAMERA_SLOTS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 PREFIX_MODES = ("bidirectional", "causal")
+
+
+@dataclass(frozen=True)
+class Limit:
+    minimum: int
+    maximum: int
+
+    def __str__(self) -> str:
+        return f"[{self.minimum}, {self.maximum}]"
+
+
+# The bounds of the model settings that a parameter, a model config file or a checkpoint's config.json may
+# set: the one place they are declared (the engine node's parameters and a checkpoint's config.json are
+# checked against these). Beyond them the engine does not run in any useful time or memory: 10^8 denoise
+# steps never produce a chunk.
+SIZE = Limit(1, 1 << 31)        # any other size of the model (widths, depths, heads, vocabulary)
+LIMITS = {"action_dim": Limit(1, 1024), "action_horizon": Limit(1, 1000), "max_token_len": Limit(1, 8192),
+          "num_denoise_steps": Limit(1, 1000)}
 
 
 @dataclass(frozen=True)
@@ -66,10 +88,22 @@ class Pi05Config:
     prefix_conditioning: bool = False
 
     def __post_init__(self):
-        problems = []
+        # The sizes' values first: the structural checks below divide by them.
+        sizes = (_value_problems(self.vlm, "vlm.") + _value_problems(self.expert, "expert.")
+                 + _value_problems(self.vision, "vision."))
+        problems = sizes + _value_problems(self)
+        if not isinstance(self.prefix_conditioning, bool):
+            problems.append(f"prefix_conditioning must be true or false, got {self.prefix_conditioning!r}")
         if self.prefix_language_attention not in PREFIX_MODES:
             problems.append(f"prefix_language_attention must be one of {PREFIX_MODES}, "
                             f"got {self.prefix_language_attention!r}")
+        if not sizes:
+            problems += self._structure_problems()
+        if problems:
+            raise ValueError("invalid model config: " + "; ".join(problems))
+
+    def _structure_problems(self) -> list[str]:
+        problems = []
         # The expert's queries attend to the VLM's cached K/V at every layer (mixture of transformers).
         for name in ("depth", "num_kv_heads", "head_dim"):
             if getattr(self.vlm, name) != getattr(self.expert, name):
@@ -86,11 +120,7 @@ class Pi05Config:
             problems.append("vision image_size must be a multiple of patch_size")
         if self.expert.width % 2:
             problems.append("expert width must be even (sin/cos time embedding)")
-        for name in ("action_dim", "action_horizon", "max_token_len", "num_denoise_steps", "vocab_size"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name} must be positive, got {getattr(self, name)}")
-        if problems:
-            raise ValueError("invalid model config: " + "; ".join(problems))
+        return problems
 
     @property
     def image_tokens(self) -> int:
@@ -123,6 +153,24 @@ class Pi05Config:
         if "camera_slots" in d:
             d["camera_slots"] = tuple(d["camera_slots"])
         return cls(**d)
+
+
+def _value_problems(part, prefix: str = "") -> list[str]:
+    """Every int field a positive integer (within LIMITS where it has one), every float field finite and
+    positive: a float or a boolean where an integer is needed is refused, not truncated."""
+    problems = []
+    for f in dataclasses.fields(part):
+        value = getattr(part, f.name)
+        if f.type == "int":
+            limit = LIMITS.get(f.name, SIZE) if not prefix else SIZE
+            if not (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                    and limit.minimum <= value <= limit.maximum):
+                problems.append(f"{prefix}{f.name} must be an integer in {limit}, got {value!r}")
+        elif f.type == "float":
+            if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+                    and value > 0):
+                problems.append(f"{prefix}{f.name} must be a positive finite number, got {value!r}")
+    return problems
 
 
 def num_parameters(cfg: Pi05Config) -> int:
@@ -215,14 +263,17 @@ def from_oracle_json(path: str | Path) -> Pi05Config:
 
 def load_config(path: str | Path) -> Pi05Config:
     """A model config file: JSON or YAML with Pi05Config's field names."""
-    path = Path(path)
-    text = path.read_text()
-    if path.suffix in (".yaml", ".yml"):
-        import yaml  # safe_load only: config files never execute code
+    import yaml  # safe_load only: config files never execute code
 
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
+    path = Path(path)
+    text = read_bytes(path, MAX_JSON_BYTES)
+    try:
+        data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text.decode("utf-8"))
+    except (ValueError, RecursionError, yaml.YAMLError) as e:
+        raise ValueError(f"{path}: not valid {'YAML' if path.suffix != '.json' else 'JSON'} ({e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a model config must be a mapping")
-    return Pi05Config.from_dict(data)
+    try:
+        return Pi05Config.from_dict(data)
+    except (ValueError, TypeError) as e:      # TypeError: a missing or misspelt field of vlm/expert/vision
+        raise ValueError(f"{path}: {e}") from None

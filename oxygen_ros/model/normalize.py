@@ -22,18 +22,18 @@ with d = eps where it is 0 (a joint that never moved: its value normalises to ex
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from .files import (LEROBOT_POSTPROCESSOR, LEROBOT_PREPROCESSOR, CheckpointError, JsonObject, is_file_name,
+                    present, processor_steps, regular_file)
+
 EPS = 1e-6
 LEROBOT_NORMALIZER = "policy_preprocessor_step_*_normalizer_processor.safetensors"
 LEROBOT_UNNORMALIZER = "policy_postprocessor_step_*_unnormalizer_processor.safetensors"
-LEROBOT_PREPROCESSOR = "policy_preprocessor.json"
-LEROBOT_POSTPROCESSOR = "policy_postprocessor.json"
 # LeRobot 0.6.1's NormalizationMode values and the statistics each needs (lerobot/configs/types.py).
 LEROBOT_MODES = {"IDENTITY": (), "MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max"),
                  "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90")}
@@ -53,21 +53,26 @@ class Stats:
     q99: np.ndarray | None
 
 
-def _stats(name: str, d: dict) -> Stats:
+def _stats(stats: JsonObject, name: str) -> Stats:
+    """One feature's statistics (`state` or `actions` of a norm_stats.json); a CheckpointError naming the file
+    and the key when one is missing, not a list of finite numbers, of another length, or out of order (a
+    negative std, q99 below q01: no data has them, and they would turn the actions around or divide by 0)."""
+    d = stats.object(name)
+
     def arr(key, required=True):
-        if key not in d or d[key] is None:
-            if required:
-                raise ValueError(f"norm stats '{name}' lacks '{key}'")
-            return None
-        a = np.asarray(d[key], dtype=np.float64)
-        if a.ndim != 1 or not np.all(np.isfinite(a)):
-            raise ValueError(f"norm stats '{name}.{key}' must be a finite 1-D list")
-        return a
+        values = d.numbers(key)
+        if values is None and required:
+            raise d.error(key, "is missing")
+        return None if values is None else np.asarray(values, dtype=np.float64)
 
     s = Stats(arr("mean"), arr("std"), arr("q01", False), arr("q99", False))
     dims = {len(x) for x in (s.mean, s.std, s.q01, s.q99) if x is not None}
     if len(dims) != 1:
-        raise ValueError(f"norm stats '{name}' have fields of different lengths {sorted(dims)}")
+        raise CheckpointError(f"{d.file}: {d.where}mean, std, q01, q99 have different lengths {sorted(dims)}")
+    if np.any(s.std < 0):
+        raise d.error("std", "has negative values")
+    if s.q01 is not None and s.q99 is not None and np.any(s.q99 < s.q01):
+        raise d.error("q99", "is below q01 in some dimensions")
     return s
 
 
@@ -111,35 +116,32 @@ class Normalizer:
         """`path`: an openpi norm_stats.json, or a checkpoint directory holding assets/<asset_id>/norm_stats.json."""
         path = Path(path)
         if is_lerobot_directory(path):
-            raise ValueError(f"{path}: a LeRobot policy directory, not openpi statistics (load_normalizer "
-                             f"reads it with LeRobot's rule)")
+            raise CheckpointError(f"{path}: a LeRobot policy directory, not openpi statistics (load_normalizer "
+                                  f"reads it with LeRobot's rule)")
         if path.is_dir():
             # openpi asset ids may contain a slash (assets/physical-intelligence/libero/norm_stats.json).
             found = sorted(path.glob("assets/**/norm_stats.json")) + sorted(path.glob("norm_stats.json"))
             if asset_id is not None:
                 found = [f for f in found if f.parent == path / "assets" / asset_id]
             if len(found) != 1:
-                raise ValueError(f"{path}: expected one norm_stats.json (asset_id={asset_id!r}), found "
-                                 f"{[str(f.relative_to(path)) for f in found] or 'none'}")
+                raise CheckpointError(f"{path}: expected one norm_stats.json (asset_id={asset_id!r}), found "
+                                      f"{[str(f.relative_to(path)) for f in found] or 'none'}")
             path = found[0]
-        try:
-            data = json.loads(path.read_text())
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
-        stats = data.get("norm_stats", data) if isinstance(data, dict) else None
-        if not isinstance(stats, dict):
-            raise ValueError(f"{path}: not an openpi norm_stats.json")
-        unknown = sorted(set(stats) - {"state", "actions"})
+        data = JsonObject.load(path)
+        stats = data.object("norm_stats") if "norm_stats" in data.data else data
+        if stats is None:
+            raise CheckpointError(f"{path}: norm_stats is null, not the statistics")
+        unknown = sorted(set(stats.keys()) - {"state", "actions"})
         if unknown:
-            raise ValueError(f"{path}: unknown norm stats keys {unknown} (expected 'state' and 'actions')")
-        norm = cls(_stats("state", stats["state"]) if "state" in stats else None,
-                   _stats("actions", stats["actions"]) if "actions" in stats else None, use_quantiles, str(path))
+            raise CheckpointError(f"{path}: unknown norm stats keys {unknown} (expected 'state' and 'actions')")
+        norm = cls(_stats(stats, "state") if stats.given("state") else None,
+                   _stats(stats, "actions") if stats.given("actions") else None, use_quantiles, str(path))
         if norm.state is None and norm.actions is None:
-            raise ValueError(f"{path}: no state or action statistics found")
+            raise CheckpointError(f"{path}: no state or action statistics found")
         if norm.use_quantiles:
             for name, s in (("state", norm.state), ("actions", norm.actions)):
                 if s is not None and (s.q01 is None or s.q99 is None):
-                    raise ValueError(f"{path}: quantile normalisation (π0.5) needs q01 and q99 for '{name}'")
+                    raise CheckpointError(f"{path}: quantile normalisation (π0.5) needs q01 and q99 for '{name}'")
         return norm
 
     def normalize_state(self, x: np.ndarray) -> np.ndarray:
@@ -242,12 +244,12 @@ class LeRobotNormalizer:
     @classmethod
     def load(cls, path: str | Path) -> "LeRobotNormalizer":
         """From the processor files LeRobot serves the directory with. Every feature's mode must be one
-        LeRobot 0.6.1 defines and have its statistics: otherwise a one-line ValueError naming both."""
+        LeRobot 0.6.1 defines and have its statistics: otherwise a one-line CheckpointError naming both."""
         path = Path(path)
         pre = _processor_step(path, LEROBOT_PREPROCESSOR, "normalizer_processor", LEROBOT_NORMALIZER)
         post = _processor_step(path, LEROBOT_POSTPROCESSOR, "unnormalizer_processor", LEROBOT_UNNORMALIZER)
         if pre is None and post is None:
-            raise ValueError(f"{path}: no LeRobot normaliser or unnormaliser found (policy_preprocessor.json, "
+            raise CheckpointError(f"{path}: no LeRobot normaliser or unnormaliser found (policy_preprocessor.json, "
                              f"policy_postprocessor.json or their statistics files)")
         # The state and images: the pre-processor's normaliser; the actions: the post-processor's
         # unnormaliser (LeRobot's own split), or the normaliser when the directory has no post-processor.
@@ -256,8 +258,9 @@ class LeRobotNormalizer:
             for kind, mode in step.norm_map.items():
                 if mode not in LEROBOT_MODES:
                     named = [f for f, t in step.features.items() if t == kind] or [f"(no {kind} feature)"]
-                    raise ValueError(f"{path}: feature {', '.join(named)} ({kind}) has normalisation mode "
-                                     f"'{mode}', not one of LeRobot 0.6.1's {', '.join(LEROBOT_MODES)}")
+                    raise CheckpointError(f"{step.config_file}: feature {', '.join(named)} ({kind}) has "
+                                          f"normalisation mode '{mode}', not one of LeRobot 0.6.1's "
+                                          f"{', '.join(LEROBOT_MODES)}")
         modes = dict(action_step.norm_map) | (dict(pre.norm_map) if pre else {})
         _check_config_mapping(path, modes)
 
@@ -268,16 +271,22 @@ class LeRobotNormalizer:
             needs = LEROBOT_MODES[mode]
             missing = [k for k in needs if f"{feature}.{k}" not in step.stats]
             if missing:
-                raise ValueError(f"{path}: feature '{feature}' ({kind}) is normalised with {mode}, but "
-                                 f"{step.stats_file} has no {' or '.join(missing)} for it")
+                raise CheckpointError(f"{step.stats_file or step.config_file}: feature '{feature}' ({kind}) is "
+                                      f"normalised with {mode}, but {step.stats_name} has no "
+                                      f"{' or '.join(missing)} for it")
             lo, hi = (step.stats[f"{feature}.{k}"] for k in needs)
             if kind == "VISUAL" and lo.ndim == 1:         # per-channel stats broadcast over [C, H, W]
                 lo, hi = lo.reshape(-1, 1, 1), hi.reshape(-1, 1, 1)
-            if lo.shape != hi.shape or (kind != "VISUAL" and lo.ndim != 1) \
+            if lo.shape != hi.shape or lo.size == 0 or (kind != "VISUAL" and lo.ndim != 1) \
                     or not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
-                raise ValueError(f"{path}: feature '{feature}' ({kind}) {mode} statistics {'/'.join(needs)} "
-                                 f"must be finite vectors of one length, got shapes {list(lo.shape)} and "
-                                 f"{list(hi.shape)}")
+                raise CheckpointError(f"{step.stats_file}: feature '{feature}' ({kind}) {mode} statistics "
+                                      f"{'/'.join(needs)} must be finite vectors of one length, got shapes "
+                                      f"{list(lo.shape)} and {list(hi.shape)}")
+            # A negative std or a maximum below its minimum comes from no data; it would turn the values
+            # around (or, with eps, divide by 0).
+            if np.any(hi < 0) if mode == "MEAN_STD" else np.any(hi < lo):
+                raise CheckpointError(f"{step.stats_file}: feature '{feature}' {needs[1]} "
+                                      + ("has negative values" if mode == "MEAN_STD" else f"is below {needs[0]}"))
             return FeatureNorm(feature, mode, lo, hi, np.float32(step.eps))
 
         # LeRobot normalises the observation features its normaliser lists (by their type); the action
@@ -300,75 +309,92 @@ class _Step:
     eps: float
     only: frozenset[str] | None         # normalize_observation_keys (None: every observation feature)
     stats: dict[str, np.ndarray]
-    stats_file: str
+    stats_file: Path | None             # where the statistics are (None: the step names no state_file)
+    config_file: Path                   # where the modes are
+
+    @property
+    def stats_name(self) -> str:
+        return self.stats_file.name if self.stats_file else f"{self.config_file.name} (no state_file)"
 
     def normalizes(self, feature: str) -> bool:
         return feature == LEROBOT_ACTION or self.only is None or feature in self.only
+
+
+def _stats_of(file: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    regular_file(file)                 # before safetensors opens it: opening a FIFO blocks
+    try:
+        return {k: v.astype(np.float32) for k, v in load_file(str(file)).items()}
+    except Exception as e:  # noqa: BLE001 - SafetensorError (not exported), OSError: the file is unusable
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 def _processor_step(path: Path, pipeline: str, registry_name: str, pattern: str) -> _Step | None:
     """The step `registry_name` of the processor JSON `pipeline`, with its statistics. A directory without
     the JSON (only the statistics files) is read as a pi05 config.json describes it: modes from its
     normalization_mapping (pi05's default when absent), eps 1e-8, features by LeRobot's names."""
-    from safetensors.numpy import load_file
-
-    def stats_of(file: Path) -> dict[str, np.ndarray]:
-        try:
-            return {k: v.astype(np.float32) for k, v in load_file(str(file)).items()}
-        except Exception as e:  # noqa: BLE001 - SafetensorError (not exported), OSError: the file is unusable
-            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
-
     config_file = path / pipeline
-    if config_file.is_file():
-        try:
-            steps = json.loads(config_file.read_text())["steps"]
-            entries = [s for s in steps if s.get("registry_name") == registry_name]
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{config_file}: not a LeRobot processor config ({type(e).__name__}: {e})") from None
+    if present(config_file):
+        entries = processor_steps(config_file, registry_name)
         if not entries:
             return None
         if len(entries) > 1:
-            raise ValueError(f"{config_file}: {len(entries)} {registry_name} steps, expected one")
-        config = entries[0].get("config") or {}
-        state_file = entries[0].get("state_file")
-        stats = stats_of(path / state_file) if state_file and (path / state_file).is_file() else {}
-        only = config.get("normalize_observation_keys")
-        return _Step({str(k): str(v) for k, v in (config.get("norm_map") or {}).items()},
-                     {str(k): str((v or {}).get("type")) for k, v in (config.get("features") or {}).items()},
-                     float(config.get("eps", LEROBOT_EPS)), None if only is None else frozenset(only), stats,
-                     str(state_file or f"{pipeline} (no state_file)"))
+            raise CheckpointError(f"{config_file}: {len(entries)} {registry_name} steps, expected one")
+        step = entries[0]
+        config = step.object("config") or JsonObject({}, config_file, f"{step.where}config.")
+        state_file = step.string("state_file")
+        if state_file is not None and not is_file_name(state_file):
+            raise step.error("state_file", f"must be a file name in {path}, got {state_file!r}")
+        stats = _stats_of(path / state_file) if state_file else {}
+        only = config.strings("normalize_observation_keys")
+        eps = config.number("eps", 0.0, 1.0)
+        return _Step(_modes(config, "norm_map") or {}, _feature_types(config, "features"),
+                     LEROBOT_EPS if eps is None else float(eps), None if only is None else frozenset(only), stats,
+                     path / state_file if state_file else None, config_file)
     files = sorted(path.glob(pattern))
     if not files:
         return None
     if len(files) > 1:
-        raise ValueError(f"{path}: several {pattern} files {[f.name for f in files]} and no {pipeline} to "
-                         f"say which is used")
-    stats = stats_of(files[0])
+        raise CheckpointError(f"{path}: several {pattern} files {[f.name for f in files]} and no {pipeline} to "
+                              f"say which is used")
+    stats = _stats_of(files[0])
     config = _config(path)
-    features = {str(k): str(v.get("type")) for group in ("input_features", "output_features")
-                for k, v in (config.get(group) or {}).items() if isinstance(v, dict)}
+    features = _feature_types(config, "input_features") | _feature_types(config, "output_features")
     if not features:                    # no config.json features: LeRobot's names say what each one is
         names = {k.rsplit(".", 1)[0] for k in stats}
         features = {n: "STATE" if n == LEROBOT_STATE else "ACTION" if n == LEROBOT_ACTION else "VISUAL"
                     for n in names if n in (LEROBOT_STATE, LEROBOT_ACTION) or n.startswith("observation.images.")}
     return _Step(_config_mapping(path) or dict(PI05_NORMALIZATION), features, LEROBOT_EPS, None, stats,
-                 files[0].name)
+                 files[0], path / "config.json")
 
 
-def _config(path: Path) -> dict:
-    """The directory's config.json ({} when there is none)."""
+def _feature_types(config: JsonObject, key: str) -> dict[str, str]:
+    """{feature: its type} of a features object (config.json's input_features, a step's features)."""
+    features = config.object(key)
+    types = {}
+    for name in features.keys() if features else ():
+        feature = features.object(name)
+        if feature is not None:
+            types[name] = str(feature.string("type"))
+    return types
+
+
+def _modes(config: JsonObject, key: str) -> dict[str, str] | None:
+    """A {feature type: mode} object (a step's norm_map, config.json's normalization_mapping)."""
+    modes = config.object(key)
+    return None if modes is None else {kind: modes.string(kind) for kind in modes.keys() if modes.given(kind)}
+
+
+def _config(path: Path) -> JsonObject:
+    """The directory's config.json (empty when there is none)."""
     config = path / "config.json"
-    try:
-        data = json.loads(config.read_text()) if config.is_file() else {}
-    except ValueError as e:
-        raise ValueError(f"{config}: not valid JSON ({e})") from None
-    return data if isinstance(data, dict) else {}
+    return JsonObject.load(config) if present(config) else JsonObject({}, config)
 
 
 def _config_mapping(path: Path) -> dict[str, str] | None:
     """config.json's normalization_mapping (None: no config.json or no such field)."""
-    mapping = _config(path).get("normalization_mapping")
-    return {str(k): str(v) for k, v in mapping.items()} if isinstance(mapping, dict) else None
+    return _modes(_config(path), "normalization_mapping")
 
 
 def _check_config_mapping(path: Path, modes: dict[str, str]) -> None:

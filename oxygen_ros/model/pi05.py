@@ -54,6 +54,30 @@ class PrefixRow:
     tokens: torch.Tensor   # [n_tokens] int64, BOS first, no padding
 
 
+def openpi_times(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """openpi's float32 arithmetic: dt = float32(-1/steps), t = 1 then t += dt while t >= -dt/2."""
+    dt = torch.tensor(-1.0 / steps, dtype=torch.float32)
+    t, times = torch.tensor(1.0, dtype=torch.float32), []
+    while t >= -dt / 2:
+        times.append(t)
+        t = t + dt
+    return torch.stack(times), dt
+
+
+def lerobot_times(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """LeRobot 0.6.1's euler_integrate: dt = -1/steps and t = 1.0 + k*dt in float64, each t rounded to float32
+    once (no accumulated rounding), exactly `steps` steps; x += dt * v with dt as float32, as torch does."""
+    dt = -1.0 / steps
+    return (torch.tensor([1.0 + k * dt for k in range(steps)], dtype=torch.float32),
+            torch.tensor(dt, dtype=torch.float32))
+
+
+# The flow-time grid of a checkpoint format: the times at which the velocity is evaluated. They differ by a
+# few float32 ulps (openpi's accumulates the rounding of t += dt), which moves final actions by ~1e-5 of
+# their magnitude (6e-5 to 3.3e-4 for actions of magnitude 4-20): a checkpoint is denoised on its own grid.
+TIME_GRIDS = {"openpi": openpi_times, "lerobot": lerobot_times}
+
+
 class Pi05(nn.Module):
     def __init__(self, cfg: Pi05Config):
         super().__init__()
@@ -76,6 +100,9 @@ class Pi05(nn.Module):
         # Attention objects carry their own backend (chosen with the cache, see attention.py).
         self.backend = "torch"
         self._schedules: dict = {}
+        # Where the flow times of denoising lie (TIME_GRIDS): a property of the checkpoint's format, set by
+        # the loader (model/checkpoint.py): openpi's float32 `t += dt`, or LeRobot's `t = 1.0 + k*dt`.
+        self.time_grid = "openpi"
 
     def to_serving_dtype(self, dtype: torch.dtype, islands: bool = True) -> "Pi05":
         """Every parameter in `dtype`, except the float32 islands (see FLOAT32_ISLANDS) when `islands`."""
@@ -178,17 +205,13 @@ class Pi05(nn.Module):
             rows, horizon, -1)
 
     def flow_schedule(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(times [n] float32, dt) on the model's device for `steps` Euler steps from t = 1 to t = 0, with the
-        reference's float32 arithmetic (t += dt, stop when t < -dt/2). Cached: a captured CUDA graph must not
-        copy from the host, and the schedule is the same for every frame."""
-        key = (steps, self.device)
+        """(times [n] float32, dt) on the model's device for `steps` Euler steps from t = 1 to t = 0 on the
+        model's time grid (`time_grid`, TIME_GRIDS). Cached: a captured CUDA graph must not copy from the
+        host, and the schedule is the same for every frame."""
+        key = (steps, self.device, self.time_grid)
         if key not in self._schedules:
-            dt = torch.tensor(-1.0 / steps, dtype=torch.float32)
-            t, times = torch.tensor(1.0, dtype=torch.float32), []
-            while t >= -dt / 2:
-                times.append(t)
-                t = t + dt
-            self._schedules[key] = (torch.stack(times).to(self.device), dt.to(self.device))
+            times, dt = TIME_GRIDS[self.time_grid](steps)
+            self._schedules[key] = (times.to(self.device), dt.to(self.device))
         return self._schedules[key]
 
     def sample_actions(self, noise: torch.Tensor, attn: ActionAttention, steps: int | None = None,

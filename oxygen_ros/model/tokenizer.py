@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
+from .files import CheckpointError, regular_file
+
 TINY_TOKENIZER = "tiny_tokenizer.model"
 
 
@@ -40,14 +42,12 @@ def discretize_state(state: np.ndarray) -> np.ndarray:
 
 class Tokenizer:
     def __init__(self, model_file: str | Path):
-        path = Path(model_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"tokenizer model not found: {path}")
+        path = regular_file(model_file)      # a CheckpointError naming it: missing, a folder, a FIFO (would block)
         # A SentencePiece model is a protobuf: parsing it executes nothing.
         try:
             self.sp = spm.SentencePieceProcessor(model_file=str(path))
         except (RuntimeError, OSError) as e:  # sentencepiece reports a bad protobuf as RuntimeError
-            raise ValueError(f"{path}: not a SentencePiece model ({e})") from None
+            raise CheckpointError(f"{path}: not a SentencePiece model ({e})") from None
         self.path = path
         self.bos_id, self.eos_id, self.pad_id = self.sp.bos_id(), self.sp.eos_id(), self.sp.pad_id()
 

@@ -35,15 +35,15 @@ PARAMS = [
     Param("output_type", "float64_array", "Message type of /oxygen/action.", choices=tuple(OUTPUT_TYPES)),
     Param("action_topic", "oxygen/action", "Where commands go (relative: in the robot's namespace)."),
     Param("chunk_topic", "oxygen/action_chunk", "Where every new chunk goes (oxygen_interfaces/ActionChunk)."),
-    Param("joint_names", [], "Names of the action dimensions (joint_state / joint_trajectory / chunks)."),
+    Param("joint_names", [], "Names of the action dimensions (joint_state / joint_trajectory / chunks).", item=str),
     Param("frame_id", "base_link", "Frame of twist / pose commands."),
     Param("rotation", "axis_angle", "Rotation encoding of pose actions.",
           choices=("axis_angle", "euler_xyz", "quaternion_wxyz")),
-    Param("lower_limits", [], "Per-dimension lower bound (empty: none)."),
-    Param("upper_limits", [], "Per-dimension upper bound (empty: none)."),
-    Param("max_velocity", [], "Per-dimension max change per second (empty: none)."),
+    Param("lower_limits", [], "Per-dimension lower bound (empty: none).", item=float),
+    Param("upper_limits", [], "Per-dimension upper bound (empty: none).", item=float),
+    Param("max_velocity", [], "Per-dimension max change per second (empty: none).", item=float),
     Param("interpolate", [], "Per action dimension: true where it is position-like (interpolated between chunk "
-                             "rows), false where velocity-like (held for its row's control period). Empty: all held."),
+                             "rows), false where velocity-like (held for its row's control period). Empty: all held.", item=bool),
     Param("replan_steps", 0, "Rows the current chunk plays before a newer chunk takes over (openpi's "
                              "open_loop_horizon / replan_steps; 0: at once).", minimum=0),
     Param("execution", "naive", "How a new chunk takes over: naive (at once, at its row meant for now), blend "

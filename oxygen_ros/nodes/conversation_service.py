@@ -208,7 +208,12 @@ class ConversationService(Node):
         target.frame_stamp = ros_time(reply.frame_stamp)
         target.queue_s, target.latency_s, target.finish_reason = reply.queue_s, reply.latency_s, reply.finish_reason
         self.counts["answered" if reply.success else "failed"] += 1
-        if not reply.success:
+        # A request ended by an orderly stop or a deactivation (`refusal`) is no fault: the client is told why,
+        # the log says it at info. One call site per severity: rclpy refuses a call site whose severity changes.
+        if not reply.success and refusal:
+            self.get_logger().info(f"conversation request ended ({reply.finish_reason}): {error}",
+                                   throttle_duration_sec=1.0)
+        elif not reply.success:
             self.get_logger().warning(f"conversation request failed ({reply.finish_reason}): {error}",
                                       throttle_duration_sec=1.0)
         return target

@@ -30,9 +30,9 @@ from std_srvs.srv import Trigger
 from oxygen_ros.engine.config import EngineConfig, node_settings
 from oxygen_ros.engine.tasks.actions import PREFIX_UNTRAINED
 from oxygen_ros.engine.engine import Engine
-from oxygen_ros.engine.factory import build_engine, model_config
+from oxygen_ros.engine.factory import build_engine, file_problems, model_config
 from oxygen_ros.model.checkpoint import checkpoint_settings, lerobot_policy
-from oxygen_ros.model.config import PREFIX_MODES, PRESETS
+from oxygen_ros.model.config import LIMITS, PREFIX_MODES, PRESETS
 from oxygen_ros.progress import LongTask, human_bytes, size_of
 from oxygen_ros.robot.policy_io import RobotIOConfig
 
@@ -68,29 +68,33 @@ PARAMS = ENGINE_PARAMS + [
                                  "configure.", minimum=1.0),
     Param("block_size", 16, "Tokens per KV block.", minimum=1, maximum=1024),
     Param("action_horizon", 0, "Actions per chunk (0: the model's). Must match what the checkpoint was "
-                               "trained with.", minimum=0, maximum=1000),
-    Param("denoise_steps", 0, "Flow-matching steps per chunk (0: the model's).", minimum=0, maximum=1000),
-    Param("max_token_len", 0, "Longest prompt in tokens (0: the model's).", minimum=0, maximum=8192),
+                               "trained with.", minimum=0, maximum=LIMITS["action_horizon"].maximum),
+    Param("denoise_steps", 0, "Flow-matching steps per chunk (0: the model's).", minimum=0,
+          maximum=LIMITS["num_denoise_steps"].maximum),
+    Param("max_token_len", 0, "Longest prompt in tokens (0: the model's).", minimum=0,
+          maximum=LIMITS["max_token_len"].maximum),
     Param("prefix_language_attention", "", "Prefix mask: bidirectional (upstream openpi, the official "
                                            "checkpoints) or causal (OxyGen code). Empty: the model's.",
           choices=("",) + PREFIX_MODES),
     Param("state_in_prompt", True, "Discretised state in the prompt (pi05 default; pi05_libero: false)."),
     Param("robot_action_dim", 0, "Action dimensions the robot uses (0: all of the model's).", minimum=0),
     Param("delta_action_mask", [], "Per action dimension: true where the model predicts a change from the "
-                                   "current state (openpi delta actions, e.g. ALOHA joints); grippers false."),
+                                   "current state (openpi delta actions, e.g. ALOHA joints); grippers false.", item=bool),
     Param("transform", "none", "Robot input/output transform around the model (aloha: openpi's adapt_to_pi "
                                "joint flips and gripper conversions).", choices=("none", "aloha")),
-    Param("gripper_dims", [], "State/action dims of a linear gripper given in robot units (with gripper_range)."),
+    Param("gripper_dims", [], "State/action dims of a linear gripper given in robot units (with gripper_range).",
+          item=int),
     Param("gripper_range", [], "Robot units of the model's gripper 0 (open) and 1 (closed), e.g. a Franka "
-                               "finger joint for DROID: [0.04, 0.0]. Empty: already in [0, 1]."),
-    Param("rotate_180", [], "Camera slots turned 180° before resizing (e.g. LIBERO from a raw robosuite render)."),
+                               "finger joint for DROID: [0.04, 0.0]. Empty: already in [0, 1].", item=float),
+    Param("rotate_180", [], "Camera slots turned 180° before resizing (e.g. LIBERO from a raw robosuite render).",
+          item=str),
     Param("control_period_s", 0.0, "Seconds between chunk rows: the rate the checkpoint was trained at "
                                    "(DROID 1/15, ALOHA 1/50). 0: one row per publish tick.", minimum=0.0),
     Param("torch_threads", 0, "CPU threads for torch (0: torch's default).", minimum=0, maximum=1024),
     Param("robots", [], "A fleet: the robots this engine serves (names), each configured by <name>.namespace "
                         "(default /<name>), <name>.robot_config, <name>.norm_stats, <name>.asset_id (see "
                         "docs/fleet.md). Empty: one robot, no namespace (/oxygen/...), configured by the "
-                        "parameters above."),
+                        "parameters above.", item=str),
 ]
 
 
@@ -112,10 +116,12 @@ SHUTTING_DOWN = "engine shutting down (oxygen_engine shutdown)"
 
 class EngineNode(LifecycleNode):
     def __init__(self, attach: Callable[[Engine], AttachedNodes] | None = None,
-                 params_files: ParamsFiles | None = None, **node_kwargs):
+                 params_files: ParamsFiles | None = None, check_capacity: bool = True, **node_kwargs):
         """params_files: the parameter files this process was started with (a fleet's per-robot node
-        sections and its robots' settings are checked against them)."""
+        sections and its robots' settings are checked against them). check_capacity False: the robot
+        configured is a template, not a robot (oxygen_serve's clients): whether robots fit is its caller's."""
         super().__init__("oxygen_engine", **node_kwargs)
+        self._check_capacity = check_capacity
         self.files = params_files or ParamsFiles()
         self.fleet: list[FleetRobot] = []            # empty: the single robot ""
         # Read again at every configure (a failed configure is fixed by setting parameters, then configuring
@@ -322,11 +328,18 @@ class EngineNode(LifecycleNode):
                                    f"trained{said}")
         if cfg is not None and p["rtc"] and p["rtc_correction"] == "prefix" and not cfg.prefix_conditioning:
             problems.append(PREFIX_UNTRAINED)
-        if problems:
-            raise ParameterError("\n".join(problems))
-        engine_cfg = EngineConfig(**{q.name: p[q.name] for q in ENGINE_PARAMS},
-                                  cuda_graphs={"auto": None, "on": True, "off": False}[p["cuda_graphs"]],
-                                  prepare_ahead={"auto": None, "on": True, "off": False}[p["prepare_ahead"]])
+        # The templates formatted once and the files read (headers, statistics, tokenizer) now, so that their
+        # problems are listed with the others before anything loads; the parameters' bounds are read_all's.
+        engine_cfg = EngineConfig(**{q.name: p[q.name] for q in ENGINE_PARAMS},     # a bad choice: listed already
+                                  cuda_graphs={"auto": None, "on": True, "off": False}.get(p["cuda_graphs"]),
+                                  prepare_ahead={"auto": None, "on": True, "off": False}.get(p["prepare_ahead"]))
+        problems += engine_cfg.template_problems()
+        robots = self._robots(p)
+        if cfg is not None:
+            problems += file_problems(cfg, checkpoint=p["checkpoint"] or None, tokenizer=p["tokenizer"] or None,
+                                      **robots)
+        if problems:        # each once: a checkpoint's config.json is read for its settings and its policy
+            raise ParameterError("\n".join(dict.fromkeys(problems)))
         source = p["checkpoint"] or "random weights (no checkpoint)"
         size = f" ({human_bytes(size_of(p['checkpoint']))})" if p["checkpoint"] else ""
         try:
@@ -337,7 +350,7 @@ class EngineNode(LifecycleNode):
                     engine=engine_cfg,
                     device=device, kv_budget_mb=p["kv_budget_mb"], block_size=p["block_size"],
                     backend=None if p["attention_backend"] == "auto" else p["attention_backend"],
-                    state_in_prompt=state_in_prompt, seed=p["seed"], **self._robots(p))
+                    state_in_prompt=state_in_prompt, seed=p["seed"], **robots)
         except (ValueError, FileNotFoundError) as e:
             raise ParameterError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - a corrupt file, a device error: say which load failed
@@ -353,6 +366,8 @@ class EngineNode(LifecycleNode):
                                f"{'on' if engine.info.cuda_graphs else 'off'}{serves}")
         if engine.stats.counter("graph_capture_failures"):
             self.get_logger().warning(engine.stats.last_error)
+        if not self._check_capacity:
+            return engine
         try:
             self.capacity = engine.capacity()      # measured on the model now (or frame_cost_ms declared)
         except ValueError as e:                    # strict_capacity

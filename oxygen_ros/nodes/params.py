@@ -6,6 +6,8 @@ start, would report success for a change at run time and change nothing; rclpy r
 Bounds go into the descriptor (`ros2 param describe` shows them: FloatingPointRange / IntegerRange, the
 choices in additional_constraints), and rclpy enforces them on a later `ros2 param set`. A value given at
 start outside them is still reported here with the others (rclpy would refuse the declaration alone).
+A value's type is rclpy's rule (`type_problem`): the default's type, an int for a float included; oxygen_ros/param_files.py
+applies the same rules to the params files before rclpy reads them.
 """
 from __future__ import annotations
 
@@ -31,6 +33,14 @@ class Param:
     choices: tuple = ()
     minimum: float | None = None
     maximum: float | None = None
+    item: type | None = None        # a list's entry type where the default is empty (rclpy cannot tell it)
+
+    @property
+    def entry_type(self) -> type | None:
+        """The entry type of a list parameter (None: not a list)."""
+        if not isinstance(self.default, list):
+            return None
+        return type(self.default[0]) if self.default else self.item
 
 
 def declare_all(node, specs: list[Param], read_only: bool = True) -> tuple[dict[str, Any], list[str]]:
@@ -78,8 +88,7 @@ def read_all(node, specs: list[Param]) -> tuple[dict[str, Any], list[str]]:
             value = []
         if isinstance(p.default, list):
             value = list(value)
-            kind = type(p.default[0]) if p.default else None
-            if kind is float:
+            if p.entry_type is float:
                 value = [float(v) for v in value]
         values[p.name] = value
         wrong = problem(p, value)
@@ -102,3 +111,41 @@ def problem(p: Param, value: Any) -> str | None:
     if p.maximum is not None and value > p.maximum:
         return f"must be <= {p.maximum}"
     return None
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a float", str: "a string"}
+
+
+def expected(p: Param) -> str:
+    """What `p` takes, in words: 'a float such as 256.0', 'a list of strings'..."""
+    if p.entry_type is None and isinstance(p.default, list):
+        return "a list"
+    if p.entry_type is not None:
+        return "a list of " + {bool: "true/false", int: "integers", float: "numbers", str: "strings"}[p.entry_type]
+    return _TYPE_NAMES[type(p.default)] + (f" such as {p.default!r}" if type(p.default) is float else "")
+
+
+def _is(value: Any, kind: type) -> bool:
+    return type(value) is kind           # bool is an int to isinstance, not to rclpy
+
+
+def type_problem(p: Param, value: Any) -> str | None:
+    """What is wrong with the type of `value` (as rcl reads a params file: bool, int, float, str or a list of
+    one of them) for `p`, or None. rclpy's rule: the declared default's type, so an int for a float parameter
+    is refused (64 -> write 64.0). A list parameter with an empty default is declared dynamically typed
+    (rclpy takes anything): it is checked here against its entry type, ints accepted for numbers (read_all
+    converts them)."""
+    if not isinstance(p.default, list):
+        if _is(value, type(p.default)):
+            return None
+        if type(p.default) is float and _is(value, int):
+            return f"must be a float: write {value:.1f} (ROS takes no integer for a float parameter)"
+        return f"must be {expected(p)}"
+    kind = p.entry_type
+    if not isinstance(value, list):
+        return f"must be {expected(p)}" + (f", e.g. [{value}]" if kind is None or _is(value, kind) else "")
+    if kind is None:
+        return None
+    ints_for_floats = kind is float and not p.default        # dynamically typed: read_all converts them
+    wrong = [v for v in value if not (_is(v, kind) or (ints_for_floats and _is(v, int)))]
+    return f"must be {expected(p)} ({wrong[0]!r} is not)" if wrong else None

@@ -24,11 +24,11 @@ from __future__ import annotations
 import array
 import collections
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import rclpy
 import rclpy.executors
-from rcl_interfaces.msg import ParameterDescriptor
 from rclpy.node import Node
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import Image, JointState
@@ -36,11 +36,33 @@ from std_msgs.msg import Float64MultiArray, String
 from std_srvs.srv import SetBool
 
 from ..robot.errors import InputError
-from ..sim.episodes import ReachEpisodes, ResetSwitch
-from ..sim.scene import JOINT_NAMES
+from .params import Param, declare_all
+
+if TYPE_CHECKING:       # the simulation (mujoco, triton: seconds) is imported when the node is built: the
+    from ..sim.episodes import ReachEpisodes      # parameter checker (oxygen_ros/param_files.py) reads PARAMS without it
 
 CAMERAS = ("base", "wrist")
 COMMAND_TYPES = ("float64_array", "joint_state")
+PARAMS = [
+    Param("camera_rate_hz", 15.0, "Rate of the camera images, Hz."),
+    Param("state_rate_hz", 50.0, "Rate of the joint states, Hz."),
+    Param("image_size", 64, "Side of the square camera images, pixels (the demo model was trained on 64x64 renders)."),
+    Param("cameras", list(CAMERAS), "Cameras to publish: any of 'base', 'wrist'."),
+    Param("base_topic", "/sim/camera/base/image_raw", "Topic of the base (third-person) camera."),
+    Param("wrist_topic", "/sim/camera/wrist/image_raw", "Topic of the wrist camera."),
+    Param("joint_states_topic", "/sim/joint_states", "Topic of the joint states."),
+    Param("command_topic", "/oxygen/action", "Topic of the joint position commands."),
+    Param("prompt_topic", "/oxygen/prompt", "Topic the task of each episode goes to."),
+    Param("command_type", "float64_array",
+          "'float64_array': std_msgs/Float64MultiArray with the 3 target positions (joint_1..joint_3); "
+          "'joint_state': sensor_msgs/JointState with target positions by joint name."),
+    Param("seed", 0, "Seed of the episodes (cube colours, places, named cube)."),
+    Param("enable_service", "/oxygen/enable",
+          "SetBool service of the action output: switched off while the scene is reset and on again when "
+          "the episode starts, as an operator would (real-time chunking then continues no chunk across a "
+          "reset); empty: never switched."),
+    Param("episode_s", 4.0, "Time limit of an episode, s."),
+]
 _WARN_THROTTLE_S = 2.0
 
 
@@ -69,35 +91,20 @@ class SimRobotNode(Node):
 
     def __init__(self, world: ReachEpisodes | None = None, **node_kwargs):
         super().__init__("oxygen_sim_robot", **node_kwargs)
+        from ..sim.episodes import ReachEpisodes, ResetSwitch
+        from ..sim.scene import JOINT_NAMES
 
-        def declare(name, default, description):
-            return self.declare_parameter(name, default, ParameterDescriptor(description=description)).value
+        self._joint_names = list(JOINT_NAMES)
 
-        camera_rate = float(declare("camera_rate_hz", 15.0, "Rate of the camera images, Hz."))
-        state_rate = float(declare("state_rate_hz", 50.0, "Rate of the joint states, Hz."))
-        self.image_size = int(declare("image_size", 64, "Side of the square camera images, pixels (the demo "
-                                                        "model was trained on 64x64 renders)."))
-        cameras = list(declare("cameras", list(CAMERAS), "Cameras to publish: any of 'base', 'wrist'."))
-        topics = {
-            "base": declare("base_topic", "/sim/camera/base/image_raw", "Topic of the base (third-person) camera."),
-            "wrist": declare("wrist_topic", "/sim/camera/wrist/image_raw", "Topic of the wrist camera."),
-        }
-        state_topic = declare("joint_states_topic", "/sim/joint_states", "Topic of the joint states.")
-        command_topic = declare("command_topic", "/oxygen/action", "Topic of the joint position commands.")
-        prompt_topic = declare("prompt_topic", "/oxygen/prompt", "Topic the task of each episode goes to.")
-        self.command_type = declare(
-            "command_type", "float64_array",
-            "'float64_array': std_msgs/Float64MultiArray with the 3 target positions (joint_1..joint_3); "
-            "'joint_state': sensor_msgs/JointState with target positions by joint name.")
-        seed = int(declare("seed", 0, "Seed of the episodes (cube colours, places, named cube)."))
-        enable_service = declare(
-            "enable_service", "/oxygen/enable",
-            "SetBool service of the action output: switched off while the scene is reset and on again when "
-            "the episode starts, as an operator would (real-time chunking then continues no chunk across a "
-            "reset); empty: never switched.")
-        episode_s = float(declare("episode_s", 4.0, "Time limit of an episode, s."))
+        p, problems = declare_all(self, PARAMS, read_only=False)
+        camera_rate, state_rate = float(p["camera_rate_hz"]), float(p["state_rate_hz"])
+        self.image_size = int(p["image_size"])
+        cameras = list(p["cameras"])
+        topics = {"base": p["base_topic"], "wrist": p["wrist_topic"]}
+        state_topic, command_topic, prompt_topic = p["joint_states_topic"], p["command_topic"], p["prompt_topic"]
+        self.command_type = p["command_type"]
+        seed, enable_service, episode_s = int(p["seed"]), p["enable_service"], float(p["episode_s"])
 
-        problems = []
         for name, value in (("camera_rate_hz", camera_rate), ("state_rate_hz", state_rate),
                             ("episode_s", episode_s)):
             if not value > 0.0:
@@ -124,6 +131,11 @@ class SimRobotNode(Node):
         # against the frame it was computed from (DemoClient); 40 s at 15 Hz.
         self._shown: collections.deque = collections.deque(maxlen=600)
 
+        # The first render creates the GL context and the renderer (0.2-0.6 s measured): done here, before the
+        # camera timer starts, or the first image went out that much after its stamp and the observation
+        # node rightly rejected it as stale (a warning at every start).
+        for camera in cameras:
+            self.world.render(camera)
         self._image_pubs = {c: self.create_publisher(Image, topics[c], qos_profile_sensor_data) for c in cameras}
         self._state_pub = self.create_publisher(JointState, state_topic, qos_profile_sensor_data)
         self._prompt_pub = self.create_publisher(String, prompt_topic, 10)
@@ -204,7 +216,7 @@ class SimRobotNode(Node):
         self._advance()
         msg = JointState()
         msg.header.stamp = self.get_clock().now().to_msg()
-        msg.name = list(JOINT_NAMES)
+        msg.name = self._joint_names
         msg.position = self.world.joints().tolist()
         self._state_pub.publish(msg)
         self.states_published += 1

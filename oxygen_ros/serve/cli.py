@@ -19,16 +19,44 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
-from .layouts import LAYOUTS
-from .server import ServeOptions
+from . import lerobot
+from .layouts import LAYOUTS, LEROBOT_LAYOUTS
+
+# The server (and with it torch: seconds to import) is imported where it is used, after `stop_on_signals`:
+# a Ctrl-C while it imports then ends the start cleanly instead of with a KeyboardInterrupt traceback.
+INTERRUPTED = 130       # exit status of a start stopped by SIGINT/SIGTERM before it ran (128 + SIGINT)
 
 log = logging.getLogger("oxygen_ros.serve")
 
 
+class StopRequest(threading.Event):
+    """Set by SIGINT or SIGTERM (stop_on_signals). `running`: set by the caller once it runs; until then a
+    signal waits for the start in progress (a model load) to end, and says so."""
+    running = False
+
+
+def stop_on_signals(prog: str) -> StopRequest:
+    """SIGINT and SIGTERM set the returned event instead of raising KeyboardInterrupt. Installed first thing
+    (before torch is imported and the model loaded: seconds, minutes for pi0.5), so that a Ctrl-C at any time
+    of the start ends it cleanly once the step in progress is over; the first signal says so, more are ignored."""
+    stop = StopRequest()
+
+    def stop_requested(signum, frame) -> None:
+        if not stop.is_set():          # os.write: a print here could re-enter a print in progress
+            wait = "" if stop.running else " once the start in progress (the model load) ends"
+            os.write(2, f"{prog}: {signal.Signals(signum).name}: stopping{wait}\n".encode())
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop_requested)
+    return stop
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--robot", choices=sorted(LAYOUTS),
+    parser.add_argument("--robot", choices=sorted(set(LAYOUTS) | set(LEROBOT_LAYOUTS)),
                         help="robot config (config/<robot>.yaml) and its openpi keys")
     parser.add_argument("--params-file", action="append", default=[],
                         help="ROS parameters YAML, as oxygen_bringup takes it (repeatable; later files win)")
@@ -38,18 +66,26 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    from .server import ServeOptions
+
     d = ServeOptions()
-    parser.add_argument("--layout", choices=sorted(LAYOUTS), help="openpi observation keys (default: --robot)")
+    parser.add_argument("--layout", choices=sorted(set(LAYOUTS) | set(LEROBOT_LAYOUTS)),
+                        help="openpi observation keys, or LeRobot's (--protocol lerobot) (default: --robot)")
     parser.add_argument("--host", default=d.host, help="address to listen on (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, default=d.port, help="TCP port (0: any free port, printed)")
+    parser.add_argument("--port", type=int, help=f"TCP port (default {d.port}, {lerobot.LEROBOT_PORT} with --protocol "
+                                                 "lerobot; 0: any free port, printed)")
     parser.add_argument("--api-key-file", type=Path,
-                        help="file holding the API key clients must send (Authorization: Api-Key <key>)")
+                        help="file holding the API key clients must send (Authorization: Api-Key <key>); "
+                             "readable by its owner only (chmod 600), at least 16 characters")
     parser.add_argument("--max-clients", type=int, default=d.max_clients, help="connections served at once")
     parser.add_argument("--max-message-mb", type=float, default=d.max_message_bytes / 2**20,
                         help="largest message accepted (MiB); a larger one closes its connection")
     parser.add_argument("--default-prompt", help="prompt for observations that carry none")
     parser.add_argument("--reply-timeout", type=float, default=d.reply_timeout_s,
                         help="seconds an observation may wait for its chunk before the client gets an error")
+    parser.add_argument("--serial", action="store_true",
+                        help="one client's frame at a time, as openpi's own server runs (the benchmark's "
+                             "'one at a time'), instead of batching the clients' frames in one engine cycle")
 
 
 def parse_args(argv):
@@ -57,7 +93,13 @@ def parse_args(argv):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
     add_server_arguments(parser)
-    args, ros_args = parser.parse_known_args(argv)
+    lerobot.add_arguments(parser)
+    args, rest = parser.parse_known_args(argv)
+    from oxygen_ros.param_files import split_ros_args
+
+    ros_args, stray = split_ros_args(rest)
+    if stray:                   # else rclpy.init raised UnknownROSArgsError (a traceback) after the imports
+        parser.error(f"unrecognized arguments: {' '.join(stray)} (ROS arguments follow --ros-args)")
     if args.layout is None:
         args.layout = args.robot
     if args.layout is None:
@@ -65,21 +107,25 @@ def parse_args(argv):
                      "--params-file")
     if not args.robot and not args.params_file:
         parser.error("give --robot (a robot config) and/or --params-file")
+    if args.port is None:
+        from .server import ServeOptions
+
+        args.port = lerobot.LEROBOT_PORT if args.protocol == "lerobot" else ServeOptions().port
+    if lerobot.problems(args):
+        parser.error("; ".join(lerobot.problems(args)))
     return args, ros_args
 
 
-def server_options(args) -> ServeOptions:
-    api_key = None
-    if args.api_key_file is not None:
-        try:
-            api_key = args.api_key_file.read_text().strip()
-        except OSError as e:
-            raise ValueError(f"--api-key-file: {e}") from None
-        if not api_key:
-            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+def server_options(args, key_flag: str = "--api-key-file") -> ServeOptions:
+    from oxygen_ros.console.guard import read_token
+
+    from .server import ServeOptions
+
+    # Checked as the console's token file: readable by its owner only, at least 16 characters.
+    api_key = None if args.api_key_file is None else read_token(str(args.api_key_file), key_flag)
     return ServeOptions(host=args.host, port=args.port, api_key=api_key, max_clients=args.max_clients,
                         max_message_bytes=int(args.max_message_mb * 2**20), default_prompt=args.default_prompt,
-                        reply_timeout_s=args.reply_timeout)
+                        reply_timeout_s=args.reply_timeout, serial=args.serial)
 
 
 def engine_parameters(robot: str | None, params_files: list[str], random: str | None) -> tuple[list[str], dict]:
@@ -95,6 +141,18 @@ def engine_parameters(robot: str | None, params_files: list[str], random: str | 
     if random:
         overrides.update(model=random, checkpoint="", tokenizer="", norm_stats="", asset_id="", kv_budget_mb=64.0)
     return files, overrides
+
+
+def startup_refusal(files: list[str], ros_args: list[str], options: ServeOptions) -> str:
+    """oxygen_bringup's checks before the model loads (empty: none failed): every problem with the parameters
+    (param_files.py), then the server's port, bound and released (a port in use said as such)."""
+    from oxygen_ros.param_files import PortUse, check, port_problems
+
+    problems = check(files, ros_args).problems
+    lines = ["oxygen_serve: refusing to start, bad parameters:\n  " + "\n  ".join(problems)] if problems else []
+    lines += [f"oxygen_serve: refusing to start: {line}"
+              for line in port_problems([PortUse("--port", options.host, options.port)])]
+    return "\n".join(lines)
 
 
 def build_engine_node(files: list[str], overrides: dict, ros_args: list[str]):
@@ -116,7 +174,7 @@ def build_engine_node(files: list[str], overrides: dict, ros_args: list[str]):
     args += [a for a in ros_args if a != "--ros-args"]
     context = rclpy.Context()
     rclpy.init(args=args, context=context)
-    node = EngineNode(params_files=ParamsFiles(files), context=context,
+    node = EngineNode(params_files=ParamsFiles(files), context=context, check_capacity=False,
                       parameter_overrides=[Parameter(k, value=v) for k, v in overrides.items()])
     node.trigger_configure()
     if node.failure:
@@ -128,6 +186,7 @@ def build_engine_node(files: list[str], overrides: dict, ros_args: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop = stop_on_signals("oxygen_serve")
     args, ros_args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     from oxygen_ros.robot.configs import find_config
@@ -141,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"oxygen_serve: {e}", file=sys.stderr)
         return 2
+    refusal = startup_refusal(files, ros_args, options)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     if args.robot:
         print(f"oxygen_serve: robot config {find_config(args.robot)}", flush=True)
     if args.random:
@@ -152,20 +215,28 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     try:
-        return _serve(node.engine, LAYOUTS[args.layout], options)
+        if stop.is_set():
+            print("oxygen_serve: interrupted while starting: stopped before serving", flush=True)
+            return INTERRUPTED
+        if args.protocol == "lerobot":
+            return lerobot.serve(node, args, stop)
+        return _serve(node.engine, LAYOUTS[args.layout], options, stop)
     finally:
         node.trigger_shutdown()
         node.destroy_node()
         context.try_shutdown()
 
 
-def _serve(base, layout, options: ServeOptions) -> int:
+def _serve(base, layout, options: ServeOptions, interrupted: StopRequest) -> int:
     from .server import openpi_server
 
     # The engine node built the engine for the robot config as its robot "": that robot's frame preparation
     # is the template of every client's; the robot itself would only sit idle.
     template = base.preparer
     base.remove_robot("", "oxygen_serve serves clients only")
+    # The cycle cost, measured now (before the engine thread runs): with strict_capacity a client that would
+    # not fit is refused when it connects. The template robot itself was never checked (check_capacity).
+    base.capacity()
     try:
         server = openpi_server(base, layout, options, template)
     except ValueError as e:
@@ -180,6 +251,9 @@ def _serve(base, layout, options: ServeOptions) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        interrupted.running = True
+        if interrupted.is_set():       # a signal since the model loaded, before this loop took them over
+            stop.set()
         await server.serve_until(stop, lambda port: print(f"oxygen_serve: listening on ws://{options.host}:{port}",
                                                           flush=True))
 
@@ -190,6 +264,9 @@ def _serve(base, layout, options: ServeOptions) -> int:
         print(f"oxygen_serve: cannot listen on {options.host}:{options.port}: {e}", file=sys.stderr)
         return 2
     finally:
+        # asyncio.run put back the default handlers: a further Ctrl-C would raise through the teardown.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         server.engine.stop()
     print("oxygen_serve: stopped", flush=True)
     return 0
@@ -198,6 +275,8 @@ def _serve(base, layout, options: ServeOptions) -> int:
 # ---------------------------------------------------------------------------------------------- oxygen_bringup
 def add_bringup_arguments(parser: argparse.ArgumentParser) -> None:
     """oxygen_bringup's --openpi-* options: socket robots next to the ROS robot, on its engine."""
+    from .server import ServeOptions
+
     d = ServeOptions()
     group = parser.add_argument_group("openpi clients (docs/openpi.md)")
     group.add_argument("--openpi-port", type=int, metavar="PORT",
@@ -218,6 +297,13 @@ def bringup_problems(args) -> list[str]:
                    "config's keys and policy I/O (a fleet's socket robots are not supported yet)")
     if args.managed:
         out.append("--openpi-port needs the engine the bringup configures: not with --managed")
+    if args.openpi_api_key_file is not None:
+        from oxygen_ros.console.guard import read_token
+
+        try:
+            read_token(str(args.openpi_api_key_file), "--openpi-api-key-file")
+        except ValueError as e:
+            out.append(str(e))
     return out
 
 
@@ -226,12 +312,12 @@ def start_for_bringup(engine, args):
     of that engine beside the ROS robot, with its policy I/O and norm stats. ValueError: bad options."""
     if args.openpi_port is None:
         return None
-    from .server import openpi_server
+    from .server import ServeOptions, openpi_server
 
     d = ServeOptions()
     ns = argparse.Namespace(host=args.openpi_host, port=args.openpi_port, api_key_file=args.openpi_api_key_file,
                             max_clients=args.openpi_max_clients, max_message_mb=d.max_message_bytes / 2**20,
-                            default_prompt=None, reply_timeout=d.reply_timeout_s)
-    server = openpi_server(engine, LAYOUTS[args.robot], server_options(ns)).start()
+                            default_prompt=None, reply_timeout=d.reply_timeout_s, serial=False)
+    server = openpi_server(engine, LAYOUTS[args.robot], server_options(ns, "--openpi-api-key-file")).start()
     print(f"oxygen_bringup: openpi clients on ws://{args.openpi_host}:{server.port} ({args.robot} keys)", flush=True)
     return server

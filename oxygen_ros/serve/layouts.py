@@ -191,3 +191,132 @@ LAYOUTS: dict[str, Layout] = {
                      (StatePart("observation/state", 8),)),
     "demo": Layout("demo", (Camera(("observation/image",), "base_0_rgb"),), (StatePart("observation/state", 3),)),
 }
+
+
+# ------------------------------------------------------------------------------------------ LeRobot clients
+STATE_FEATURE = "observation.state"
+IMAGE_PREFIX = "observation.images."
+
+
+@dataclass(frozen=True)
+class LeRobotCamera:
+    name: str                  # the camera's name in the LeRobot robot config (--robot.cameras="{front: ...}")
+    slot: str                  # the model's camera slot
+    required: bool = True
+
+
+@dataclass(frozen=True)
+class LeRobotLayout:
+    """What a LeRobot robot sends (its `get_observation()`: one float per `<motor>.pos` key, an HWC uint8
+    image per camera name, plus the client's "task") and where it goes: the joints in this order are the
+    state, the cameras fill model slots, the task is the prompt."""
+
+    name: str
+    joints: tuple[str, ...]
+    cameras: tuple[LeRobotCamera, ...]
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        return tuple(c.slot for c in self.cameras)
+
+    def feature_problems(self, features, rename_map: dict[str, str]) -> list[str]:
+        """How the client's `lerobot_features` (LeRobot's hw_to_dataset_features of its robot) fail to match
+        this layout: missing or extra joints and cameras by name, wrong image shapes. [] when they match."""
+        if not isinstance(features, dict):
+            return [f"lerobot_features must be a dict, got {type(features).__name__}"]
+        out = []
+        state = features.get(STATE_FEATURE)
+        names = state.get("names") if isinstance(state, dict) else None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            out.append(f"no {STATE_FEATURE} feature with its joint names (expected {list(self.joints)})")
+        else:
+            missing = [j for j in self.joints if j not in names]
+            extra = [n for n in names if n not in self.joints]
+            if missing:
+                out.append(f"missing joints {missing}")
+            if extra:
+                out.append(f"extra joints {extra} (the {self.name} config has {list(self.joints)})")
+            if not missing and not extra and tuple(names) != self.joints:
+                out.append(f"joints in the order {names}; the {self.name} config's order is {list(self.joints)}")
+        cameras = {}
+        for key, value in features.items():
+            if key.startswith(IMAGE_PREFIX):
+                cameras[self.camera_name(key[len(IMAGE_PREFIX):], rename_map)] = value
+            elif key != STATE_FEATURE:
+                out.append(f"unexpected feature {key!r}")
+        known = {c.name for c in self.cameras}
+        missing = [c.name for c in self.cameras if c.required and c.name not in cameras]
+        extra = sorted(n for n in cameras if n not in known)
+        if missing:
+            out.append(f"missing cameras {missing}")
+        if extra:
+            out.append(f"extra cameras {extra} (the {self.name} config has {sorted(known)}; rename them with the "
+                       f"client's rename_map, e.g. {{'observation.images.{extra[0]}': "
+                       f"'observation.images.{self.cameras[0].name}'}})")
+        for name, value in cameras.items():
+            shape = value.get("shape") if isinstance(value, dict) else None
+            if name in known and (not isinstance(shape, (tuple, list)) or len(shape) != 3 or shape[2] != 3):
+                out.append(f"camera {name}: an RGB image (H, W, 3) is needed, the client declares shape {shape}")
+        return out
+
+    @staticmethod
+    def camera_name(name: str, rename_map: dict[str, str]) -> str:
+        renamed = rename_map.get(IMAGE_PREFIX + name)
+        return renamed[len(IMAGE_PREFIX):] if isinstance(renamed, str) and renamed.startswith(IMAGE_PREFIX) else name
+
+    def observation(self, raw: dict, stamp: float, prompt_default: str | None,
+                    rename_map: dict[str, str]) -> Observation:
+        """A LeRobot raw observation as an Observation stamped `stamp`; InputError listing every problem."""
+        problems = []
+        state = []
+        for joint in self.joints:
+            value = raw.get(joint)
+            if isinstance(value, np.ndarray) and value.shape == ():
+                value = value[()]
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+                problems.append(f"{joint} must be a number, got {type(value).__name__ if value is not None else 'nothing'}")
+            elif not np.isfinite(value):
+                problems.append(f"{joint} is {value}")
+            else:
+                state.append(float(value))
+        by_name = {self.camera_name(k, rename_map): v for k, v in raw.items() if isinstance(k, str)}
+        images = {}
+        for camera in self.cameras:
+            value = by_name.get(camera.name)
+            if value is None:
+                if camera.required:
+                    problems.append(f"missing camera {camera.name}")
+                continue
+            if hasattr(value, "numpy") and callable(value.numpy):      # a torch tensor from a plugin robot
+                value = value.numpy()
+            if (not isinstance(value, np.ndarray) or value.dtype != np.uint8 or value.ndim != 3
+                    or value.shape[2] != 3 or 0 in value.shape):
+                problems.append(f"camera {camera.name} must be a uint8 RGB image (H, W, 3), got "
+                                f"{getattr(value, 'dtype', type(value).__name__)} {list(getattr(value, 'shape', []))}")
+                continue
+            images[camera.slot] = np.ascontiguousarray(value)
+        task = raw.get("task")
+        prompt = task if isinstance(task, str) and task.strip() else prompt_default
+        if prompt is None:
+            problems.append("no task (robot_client's --task) and no default prompt (oxygen_serve --default-prompt)")
+        else:
+            try:
+                prompt = validate_text(prompt, what="task", max_chars=MAX_PROMPT_CHARS)
+            except InputError as e:
+                problems.append(str(e))
+        if problems:
+            raise InputError(f"bad {self.name} observation: " + "; ".join(problems))
+        return Observation(stamp_s=stamp, images=images, image_masks={s: True for s in images},
+                           state=np.asarray(state, dtype=np.float64), prompt=prompt)
+
+
+SO101_JOINTS = tuple(f"{m}.pos" for m in ("shoulder_pan", "shoulder_lift", "elbow_flex", "wrist_flex", "wrist_roll",
+                                           "gripper"))
+LEROBOT_LAYOUTS: dict[str, LeRobotLayout] = {
+    # LeRobot's SO-101 (and SO-100) follower: degrees for the body joints (use_degrees, LeRobot's default),
+    # 0..100 for the gripper; a "front" camera, optionally a "wrist" one.
+    "so101": LeRobotLayout("so101", SO101_JOINTS, (LeRobotCamera("front", "base_0_rgb"),
+                                                    LeRobotCamera("wrist", "left_wrist_0_rgb", required=False))),
+    # The demo's MuJoCo arm as a LeRobot robot: three joints (radians), the base camera.
+    "demo": LeRobotLayout("demo", ("joint_1.pos", "joint_2.pos", "joint_3.pos"), (LeRobotCamera("base", "base_0_rgb"),)),
+}

@@ -4,7 +4,9 @@ about what it sees on the same socket.
 
 Protocol (openpi's `WebsocketPolicyServer`, as its client expects it):
   - `GET /healthz` -> 200 "OK"; with an API key, the handshake needs `Authorization: Api-Key <key>` (what
-    `WebsocketClientPolicy(api_key=...)` sends), else HTTP 401; beyond `max_clients` connections, HTTP 503;
+    `WebsocketClientPolicy(api_key=...)` sends), else the websocket opens and closes at once with 1008 and
+    the reason, which the client raises (a plain HTTP request: 401); beyond `max_clients` connections,
+    HTTP 503;
   - on connect the server sends its metadata (msgpack): the observation keys, action horizon and dimension...;
   - each binary msgpack-numpy message is answered by one message:
       an observation (the robot config's openpi keys, see layouts.py)
@@ -21,7 +23,14 @@ Protocol (openpi's `WebsocketPolicyServer`, as its client expects it):
 
 Concurrency: one asyncio loop serves every connection; the engine computes on its own thread. A client has
 at most one message in flight (the protocol is request/reply) and waits only for its own frame, so a slow,
-stalled or vanished client delays nobody; when it goes, its slot is freed and its requests end.
+stalled or vanished client delays nobody; when it goes, its slot is freed and its requests end at once,
+whatever its message was waiting for.
+
+What a client can cost the process is bounded before it is read (limits.py): at most `max_clients +
+max_handshakes` open sockets (one more is closed when accepted), `handshake_timeout_s` to send a request head
+and to close, 10 failed handshakes per peer address in 10 s (then HTTP 429 before the key is checked), and
+messages decoded one at a time on one thread, after protocol.scan refused any with more objects or nesting
+than an openpi message has.
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ import asyncio
 import hmac
 import http
 import logging
+import math
 import threading
 import time
 import traceback
@@ -46,11 +56,14 @@ from oxygen_ros.robot.errors import InputError
 
 from .clients import ClientSlots, Computed, EngineHub, FrameFailed
 from .layouts import Layout
+from .limits import OneDecoder, PeerFailures, SocketCap
 from .protocol import ProtocolError, pack, unpack
 
 log = logging.getLogger("oxygen_ros.serve")
 
 QUESTION_KEYS = ("question", "max_tokens", "temperature", "top_p", "seed", "stop", "timeout_s")
+FAILURE_WINDOW_S = 10.0             # failed handshakes per peer are counted over this window
+KEY_HELP = "missing or wrong API key: WebsocketClientPolicy(host, port, api_key=...) sends it"   # a close reason
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,9 @@ class ServeOptions:
     default_prompt: str | None = None        # for observations without "prompt" (openpi's --default_prompt)
     reply_timeout_s: float = 60.0            # a frame still without its chunk after this long is an error
     serial: bool = False                     # one client's frame at a time (openpi's server model; benchmark)
+    max_handshakes: int = 32                 # open sockets beyond max_clients (handshakes, refusals closing)
+    handshake_timeout_s: float = 3.0         # to send the request head; also to answer the closing handshake
+    failed_handshakes_per_peer: int = 10     # in any 10 s; beyond, HTTP 429 without checking the key
 
     def problems(self) -> list[str]:
         out = []
@@ -74,6 +90,12 @@ class ServeOptions:
             out.append(f"max_message_bytes {self.max_message_bytes} must be at least 1024")
         if not self.reply_timeout_s > 0:
             out.append(f"reply_timeout_s {self.reply_timeout_s} must be positive")
+        if self.max_handshakes < 1:
+            out.append(f"max_handshakes {self.max_handshakes} must be at least 1")
+        if not 0 < self.handshake_timeout_s <= 60:
+            out.append(f"handshake_timeout_s {self.handshake_timeout_s} must be in (0, 60]")
+        if self.failed_handshakes_per_peer < 1:
+            out.append(f"failed_handshakes_per_peer {self.failed_handshakes_per_peer} must be at least 1")
         if self.api_key is not None and not self.api_key.strip():
             out.append("the API key is empty")
         return out
@@ -81,6 +103,28 @@ class ServeOptions:
 
 class ClientGone(Exception):
     pass
+
+
+class CountedConnection(ServerConnection):
+    """A connection counted against the server's socket cap from accept to close: beyond the cap it is
+    closed at once, before anything is read from it. `refusal`: why the handler must close it (a wrong key)."""
+
+    def __init__(self, server: "OpenpiServer", *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.openpi, self.counted, self.refusal = server, False, ""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.counted = self.openpi.sockets.try_open()
+        if not self.counted:
+            self.openpi.over_cap()
+            transport.abort()
+
+    def connection_lost(self, exc) -> None:
+        if self.counted:
+            self.counted = False
+            self.openpi.sockets.close()
+        super().connection_lost(exc)
 
 
 class RequestFailed(Exception):
@@ -110,6 +154,10 @@ class OpenpiServer:
         self.engine, self.slots, self.hub, self.layout, self.options = engine, slots, hub, layout, options
         self.port: int | None = None             # the bound port once running
         self._serial = asyncio.Lock() if options.serial else None
+        self.sockets = SocketCap(options.max_clients + options.max_handshakes)
+        self.failures = PeerFailures(options.failed_handshakes_per_peer, FAILURE_WINDOW_S)
+        self.decoder: OneDecoder | None = None
+        self._cap_logged_at = -math.inf
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -118,14 +166,23 @@ class OpenpiServer:
     async def serve_until(self, stop: asyncio.Event, on_ready: Callable[[int], None] | None = None) -> None:
         """Serve until `stop` is set; `on_ready(port)` once listening."""
         o = self.options
-        async with serve(self._handle, o.host, o.port, process_request=self._process_request,
-                         max_size=o.max_message_bytes, max_queue=4, compression=None) as server:
-            self.port = server.sockets[0].getsockname()[1]
-            log.info("openpi policy server on ws://%s:%d (%s observations, up to %d clients%s)", o.host, self.port,
-                     self.layout.name, o.max_clients, ", API key required" if o.api_key else "")
-            if on_ready is not None:
-                on_ready(self.port)
-            await stop.wait()
+        self.decoder = OneDecoder("oxygen-openpi-decode")
+        try:
+            async with serve(self._handle, o.host, o.port, process_request=self._process_request,
+                             create_connection=lambda *a, **kw: CountedConnection(self, *a, **kw),
+                             open_timeout=o.handshake_timeout_s, close_timeout=o.handshake_timeout_s,
+                             # max_queue=1: a request/reply client has one message in flight; one that
+                             # sends ahead has at most 2 buffered here (up to max_message_bytes each), the
+                             # rest wait in TCP
+                             max_size=o.max_message_bytes, max_queue=1, compression=None) as server:
+                self.port = server.sockets[0].getsockname()[1]
+                log.info("openpi policy server on ws://%s:%d (%s observations, up to %d clients%s)", o.host,
+                         self.port, self.layout.name, o.max_clients, ", API key required" if o.api_key else "")
+                if on_ready is not None:
+                    on_ready(self.port)
+                await stop.wait()
+        finally:
+            self.decoder.close()
 
     def start(self) -> "OpenpiServer":
         """Serve on a thread of its own (tests, the bringup); returns once the port is bound."""
@@ -158,15 +215,34 @@ class OpenpiServer:
         return f"openpi clients {self.slots.in_use}/{self.slots.capacity}"
 
     # ------------------------------------------------------------------ handshake
-    def _process_request(self, connection: ServerConnection, request):
+    def over_cap(self) -> None:
+        """A connection was closed at accept (the socket cap): said once per 10 s, not once per socket."""
+        now = time.monotonic()
+        if now - self._cap_logged_at >= 10.0:
+            self._cap_logged_at = now
+            log.warning("closing new connections at accept: %d sockets open (max_clients + max_handshakes), "
+                        "%d closed so far", self.sockets.limit, self.sockets.refused)
+
+    def _process_request(self, connection: CountedConnection, request):
         if request.path == "/healthz":
             return connection.respond(http.HTTPStatus.OK, "OK\n")
         key = self.options.api_key
-        if key is not None and not _key_matches(request.headers.get("Authorization"), key):
-            log.warning("refused %s: missing or wrong API key", connection.remote_address)
-            return connection.respond(http.HTTPStatus.UNAUTHORIZED,
-                                      "missing or wrong API key: send the header 'Authorization: Api-Key <key>' "
-                                      "(WebsocketClientPolicy(host, port, api_key=...))\n")
+        if key is not None:
+            peer = _peer(connection)
+            wait = self.failures.retry_after(peer)
+            if wait > 0:
+                return connection.respond(http.HTTPStatus.TOO_MANY_REQUESTS,
+                                          f"too many failed handshakes from {peer}: retry in {math.ceil(wait)} s\n")
+            if not _key_matches(request.headers.get("Authorization"), key):
+                failures = self.failures.record(peer)
+                if failures in (1, self.options.failed_handshakes_per_peer):
+                    log.warning("refused %s: missing or wrong API key (%d in %g s)", peer, failures, FAILURE_WINDOW_S)
+                if request.headers.get("Upgrade", "").lower() != "websocket":
+                    return connection.respond(http.HTTPStatus.UNAUTHORIZED,
+                                              f"{KEY_HELP} (header 'Authorization: Api-Key <key>')\n")
+                # openpi's client shows the close reason, not an HTTP status's body: open, then close with it.
+                connection.refusal = KEY_HELP
+                return None
         if self.slots.in_use >= self.slots.capacity:
             return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, self._full())
         return None
@@ -187,7 +263,10 @@ class OpenpiServer:
         }
 
     # ------------------------------------------------------------------ a connection
-    async def _handle(self, ws: ServerConnection) -> None:
+    async def _handle(self, ws: CountedConnection) -> None:
+        if ws.refusal:
+            await ws.close(CloseCode.POLICY_VIOLATION, ws.refusal)
+            return
         try:
             robot = self.slots.acquire()
         except ValueError as e:     # the engine cannot take one more robot (its KV pool)
@@ -222,8 +301,8 @@ class OpenpiServer:
             except websockets.ConnectionClosed:
                 pass
         finally:
+            self.slots.release(robot, reason)      # first: its requests end with this reason
             session.end()
-            self.slots.release(robot, reason)
             log.info("client %s gone (%s)", robot, reason)
 
 
@@ -236,12 +315,22 @@ class ClientSession:
         self.newest = None                       # the last observation it sent (questions are about it)
         self._closed = asyncio.ensure_future(ws.wait_closed())
         self._prev_total_ms: float | None = None
+        self._work: asyncio.Future | None = None         # the message being answered
+        self._requests: set = set()                      # its questions' handles not yet answered
 
     async def answer(self, data) -> bytes | str:
-        """One message -> the reply bytes, or an error text for the client to raise."""
+        """One message -> the reply bytes, or an error text for the client to raise; ClientGone as soon as the
+        connection closes, whatever the message waits for (decoding, its chunk, a question's reply)."""
+        self._work = asyncio.ensure_future(self._answer(data))
+        done, _ = await asyncio.wait({self._work, self._closed}, return_when=asyncio.FIRST_COMPLETED)
+        if self._work not in done:
+            raise ClientGone()
+        return self._work.result()
+
+    async def _answer(self, data) -> bytes | str:
         start = time.monotonic()
         try:
-            message = await asyncio.get_running_loop().run_in_executor(None, unpack, data)
+            message = await self.server.decoder.run(unpack, data)
             if "question" in message:
                 reply = await self._ask(message, start)
             else:
@@ -285,12 +374,9 @@ class ClientSession:
         ticket = self.hub.submit(self.robot, obs)
         try:
             while True:
-                done, _ = await asyncio.wait({ticket.future, self._closed}, timeout=0.25,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({ticket.future}, timeout=0.25)
                 if ticket.future in done:
                     return ticket.future.result()
-                if self._closed in done:
-                    raise ClientGone()
                 why = self.hub.discarded()
                 if why:
                     raise FrameFailed(why)
@@ -322,15 +408,19 @@ class ClientSession:
         handle = self.engine.submit(request)          # before its frame, so that the frame's cycle admits it
         if handle.done():                              # refused at once: no frame needed to say why
             raise RequestFailed(f"question refused: {handle.result().error}")
+        self._requests.add(handle)
         handle.add_done_callback(lambda r: loop.call_soon_threadsafe(_settle, replied, r))
         chunk = asyncio.ensure_future(self._compute(obs, start))
-        done, _ = await asyncio.wait({replied, chunk}, return_when=asyncio.FIRST_EXCEPTION)
-        if chunk in done and chunk.exception() is not None:
-            handle.cancel()
-            raise chunk.exception()
-        reply: Reply = await replied
-        computed = await chunk if with_observation else None
-        chunk.cancel()
+        try:
+            done, _ = await asyncio.wait({replied, chunk}, return_when=asyncio.FIRST_EXCEPTION)
+            if chunk in done and chunk.exception() is not None:
+                handle.cancel()
+                raise chunk.exception()
+            reply: Reply = await replied
+            computed = await chunk if with_observation else None
+        finally:
+            chunk.cancel()
+            self._requests.discard(handle)
         if not reply.success:
             raise RequestFailed(f"question failed ({reply.finish_reason}): {reply.error}")
         out = {"text": reply.text, "finish_reason": reply.finish_reason, "frame_index": reply.frame_index,
@@ -358,7 +448,13 @@ class ClientSession:
 
     # ------------------------------------------------------------------
     def end(self) -> None:
+        """The connection is gone: stop waiting for anything on its behalf, cancel its unanswered questions
+        (after ClientSlots.release, which ended them with the reason; this is for any still running)."""
         self._closed.cancel()
+        for handle in list(self._requests):
+            handle.cancel()
+        if self._work is not None:
+            self._work.cancel()
 
 
 def _settle(future: asyncio.Future, value) -> None:
@@ -369,6 +465,11 @@ def _settle(future: asyncio.Future, value) -> None:
 def _names(t) -> str:
     types = t if isinstance(t, tuple) else (t,)
     return " or ".join(x.__name__ for x in types)
+
+
+def _peer(connection: ServerConnection) -> str:
+    address = connection.remote_address
+    return str(address[0]) if address else "unknown"
 
 
 def _key_matches(header: str | None, key: str) -> bool:

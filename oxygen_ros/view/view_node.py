@@ -32,8 +32,10 @@ PARAMS = [
     Param("ee_path", "auto", "Draw the end-effector path (rows start with x, y, z in base_frame): auto = when "
                              "oxygen_action publishes poses; otherwise joint targets as a strip.",
           choices=("auto", "on", "off")),
-    Param("camera_intrinsics", [], "fx, fy, cx, cy of camera_slot (pixels of its image), to project the path."),
-    Param("camera_pose", [], "x, y, z, qx, qy, qz, qw of camera_slot's optical frame in base_frame."),
+    Param("camera_intrinsics", [], "fx, fy, cx, cy of camera_slot (pixels of its image), to project the path.",
+          item=float),
+    Param("camera_pose", [], "x, y, z, qx, qy, qz, qw of camera_slot's optical frame in base_frame.",
+          item=float),
     Param("base_frame", "base_link", "Frame of the end-effector path and the markers."),
     Param("debug_topic", "oxygen/debug_image", "Debug picture topic (sensor_msgs/Image, rgb8)."),
     Param("marker_topic", "oxygen/chunk_markers", "Chunk markers (visualization_msgs/MarkerArray)."),

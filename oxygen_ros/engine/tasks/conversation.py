@@ -18,6 +18,7 @@ copy of the frame, then its whole question, then is decoded to completion inside
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Callable
 
 from ..config import EngineConfig
@@ -36,28 +37,28 @@ class ConversationTask:
                  clock: Callable[[], float], frame_waiting: Callable[[], bool]):
         self.runner, self.scheduler, self.config, self.stats = runner, scheduler, config, stats
         self.clock, self.frame_waiting = clock, frame_waiting
+        self.held: dict[str, Frame] = {}     # robot -> its newest frame, held for its waiting requests (_hold)
 
     def run(self, frames: dict[str, Frame], report: CycleReport, deadline: float) -> None:
-        """This cycle's language work: admission onto `frames` ({robot: frame}, possibly none), question
-        prefill, then decode until `deadline` (engine clock), or until a new observation is waiting (actions
-        first) once the budget's minimum is done (decode_budget deadline; a cycle without a frame stops at
-        once)."""
+        """This cycle's language work: admission onto `frames` ({robot: frame}, possibly none) and onto the
+        frames held for requests that are still waiting, question prefill, then decode until `deadline`
+        (engine clock), or until a new observation is waiting (actions first) once the budget's minimum is
+        done (decode_budget deadline; a cycle without a frame stops at once)."""
         sched = self.scheduler
         t = self.clock()
-        admitted = self._admit(frames, report) if frames else []
+        admitted = self._admit(frames, report) if frames or self.held else []
         if self.config.policy != "oxygen":
             self._to_completion(admitted, report, t)
             return
         preemptible = self.config.decode_budget == "deadline"
         if frames or not self.frame_waiting():
             waiting = preemptible and self.frame_waiting()          # then only the minimum chunk of prefill
-            self._prefill(sched.prefill_chunks(self.clock(), self.clock() if waiting else deadline, bool(frames)),
-                          report)
+            self._prefill(sched.prefill_chunks(self.clock(), self.clock() if waiting else deadline) if frames or sched.budget.cost.tokens_within(deadline - self.clock(), 1) else [], report)
         report.admit_s = self.clock() - t
         t = self.clock()
         steps = 0
         while batch := sched.decode_batch():
-            if not sched.budget.another_step(steps, self.clock(), deadline, len(batch)):
+            if not sched.budget.another_step(steps, self.clock(), deadline, len(batch), frame=bool(frames)):
                 break
             if (not frames or preemptible and steps >= sched.budget.min_steps) and self.frame_waiting():
                 report.preempted = True        # a new frame is waiting: actions first
@@ -88,13 +89,37 @@ class ConversationTask:
         return frame.cache.retain()
 
     def _admit(self, frames: dict[str, Frame], report: CycleReport) -> list[Sequence]:
-        """Admit what fits, each request onto its owner's frame; a request without a question gets its first
-        token from the frame's last position at once."""
-        admitted = self.scheduler.admit(frames, self._attach)
+        """Admit what fits, each request onto its owner's frame (this cycle's, else the one held for it); a
+        request without a question gets its first token from the frame's last position at once. Then hold
+        the newest frame of each robot that still has requests waiting (see `_hold`)."""
+        for robot in [r for r in self.held if r in frames or r not in self.scheduler.robots]:
+            self.held.pop(robot).cache.release()           # a newer frame came, or the robot left
+        admitted = self.scheduler.admit({**self.held, **frames}, self._attach)
         report.admitted += len(admitted)
         for s in [s for s in admitted if not s.question]:
             report.tokens += self.scheduler.postprocess([s], [0], self.runner.frame_logits(s.frame))
+        self._hold(frames)
         return admitted
+
+    def _hold(self, frames: dict[str, Frame]) -> None:
+        """A request that could not be admitted at its robot's frame (the batch was full, or its KV blocks were
+        not free yet) must not wait for that robot's next frame: a client that asked with an observation waits
+        for the reply before it sends another, and a paused camera sends none. So the robot's newest frame is
+        held (one reference) while it has requests waiting, and cycles without a frame admit onto it. Only
+        while the pool keeps its reserve for the next cycle's frames beside it; released as soon as nothing
+        of its robot waits, a newer frame comes, the robot leaves or the engine stops (`release_held`)."""
+        waiting = self.scheduler.waiting_owners()
+        for robot in [r for r in self.held if r not in waiting]:
+            self.held.pop(robot).cache.release()
+        for robot, frame in frames.items():
+            if robot in waiting and robot not in self.held and frame.cache is not None \
+                    and self.runner.pool.blocks.num_free >= self.scheduler.reserve_blocks:
+                self.held[robot] = replace(frame, cache=frame.cache.retain())
+
+    def release_held(self) -> None:
+        """Drop every held frame (the engine stops, or its safe stop failed the requests that waited)."""
+        while self.held:
+            self.held.popitem()[1].cache.release()
 
     def _prefill(self, chunks: list[tuple[Sequence, int]], report: CycleReport) -> None:
         """Append each (request, n): the next n tokens of its question, all in one forward."""

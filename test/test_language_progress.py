@@ -1,0 +1,187 @@
+"""Language never stalls (issue 33): whatever the frames do, every question ends by itself (a reply: EOS, a
+stop string or its length) within a bounded number of cycles, in cycles without a frame too.
+
+The in-process property: any mix of 1-32 questions of up to the longest length allowed, asked after a few
+frames about the frame that follows them (as an openpi client and the evaluation ask: the question, then its
+frame), then only cycles without a frame (`run_cycle()` without an observation: a paused camera, a client
+waiting for its reply). Each draw (fixed seeds) also draws the engine's settings (batch cap, prefill chunk,
+minimum decode steps) and a text forward that costs less than linear in its tokens with measurement jitter
+(a CPU's: the cost model's unconstrained fit of it goes negative), on a simulated clock: the bound is on
+cycles, never on wall time. Every frame-less cycle prefills at least the budget's chunk of question tokens
+(or what is left) and decodes at least one step, and a request that was not admitted at its frame is
+admitted onto that frame, held for it, in a cycle without one: so the bound is the work itself, counted in
+minimum chunks and reply tokens.
+
+Through the openpi socket (oxygen_ros/serve, its engine on its own thread, in real time): each client sends
+its question with an observation and waits for the reply without sending another frame. Wall time there is
+bounded only generously (the request's own timeout); the assertion is that every reply comes, with its
+reason.
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import ACTION_S, PREFILL_S, SimClock, make_observation
+from oxygen_ros.engine.requests import Sampling, TextRequest
+
+SEEDS = range(12)
+WORDS = ("cube", "red", "left", "gripper", "table", "how", "far", "is", "the", "what", "colour", "?")
+
+
+def sublinear_costs(engine, clock: SimClock, rng: np.random.Generator) -> None:
+    """The runner's operations advance the simulated clock; a text forward costs less than linear in its
+    tokens (a fixed overhead, then tokens^0.75), times a jitter of +-25% (seeded)."""
+    runner = engine.runner
+
+    def wrap(name, cost):
+        real = getattr(runner, name)
+
+        def timed(*args, **kwargs):
+            out = real(*args, **kwargs)
+            clock.advance(cost(*args) * rng.uniform(0.75, 1.25))
+            return out
+        setattr(runner, name, timed)
+
+    wrap("prefill", lambda *a: PREFILL_S)
+    wrap("actions", lambda *a: ACTION_S)
+    wrap("extend", lambda rows: 0.006 + 0.0008 * len(rows) + 0.0004 * sum(len(r.tokens) for r in rows) ** 0.75)
+
+
+def draw_questions(rng: np.random.Generator, max_chars: int, max_tokens: int) -> list[TextRequest]:
+    """1-32 questions: lengths from one word to `max_chars` characters (a third of them long), replies of
+    1..max_tokens tokens, greedy or sampled."""
+    questions = []
+    for _ in range(int(rng.integers(1, 33))):
+        chars = int(rng.integers(1, max_chars + 1)) if rng.random() < 1 / 3 else int(rng.integers(1, 80))
+        text = " ".join(rng.choice(WORDS, size=chars))[:chars].strip() or "cube"
+        sampling = Sampling(temperature=0.8, top_p=0.9, seed=int(rng.integers(1 << 30))) if rng.random() < 0.5 \
+            else Sampling()
+        questions.append(TextRequest(text, max_tokens=int(rng.integers(1, max_tokens + 1)), sampling=sampling,
+                                     timeout_s=300.0))
+    return questions
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_any_mix_of_questions_finishes_without_frames(engine_factory, seed):
+    rng = np.random.default_rng(seed)
+    clock = SimClock()
+    engine = engine_factory(clock=clock, decode_budget="deadline", action_rate_hz=25.0, kv_budget_mb=32.0,
+                            max_queued_per_owner=32, max_active_requests=int(rng.choice([4, 8, 32])),
+                            prefill_chunk_tokens=int(rng.choice([8, 64])),
+                            min_tokens_per_frame=int(rng.choice([0, 1])), ignore_eos=bool(rng.random() < 0.5))
+    sublinear_costs(engine, clock, rng)
+    for i in range(3):                                          # a few frames: the cost model's first figures
+        engine.run_cycle(make_observation(i))
+    config = engine.config
+    questions = draw_questions(rng, config.max_question_chars, config.max_tokens_limit)
+    handles = [engine.submit(q) for q in questions]
+    assert not any(h.done() for h in handles), [h.result(0).error for h in handles if h.done()]
+    engine.run_cycle(make_observation(3))                       # the frame they ask about; then none
+    # The work counted in minimum units: each question's tokens in prefill chunks, each reply token a step,
+    # plus a cycle per question to be admitted (at most one a cycle when a single one finishes).
+    bound = sum(math.ceil(len(engine.question_tokens(q.text)) / config.prefill_chunk_tokens) + q.max_tokens + 1
+                for q in questions)
+    cycles = 0
+    while not all(h.done() for h in handles):
+        assert cycles < bound, (f"{sum(not h.done() for h in handles)} of {len(handles)} questions still open "
+                                f"after {cycles} cycles without a frame")
+        engine.run_cycle()
+        cycles += 1
+    replies = [h.result(0) for h in handles]
+    assert all(r.success and r.finish_reason in ("eos", "stop", "length") for r in replies), \
+        [(r.finish_reason, r.error) for r in replies if not r.success]
+    assert all(r.frame_index == replies[0].frame_index for r in replies)        # all about the frame that came
+    assert engine.runner.pool.blocks.num_used == 0 and not engine.conversation.held   # nothing held after them
+
+
+def test_a_question_not_admitted_at_its_frame_is_admitted_without_one(engine_factory, obs):
+    """The batch holds 2: of 4 questions asked with one frame, 2 wait. No frame follows (the client waits for
+    its reply; the camera paused): they are admitted onto that frame, held for them, and answered about it;
+    the frame is released once nothing waits for it."""
+    engine = engine_factory(max_active_requests=2, ignore_eos=True, decode_budget="fixed", tokens_per_frame=1)
+    engine.run_cycle(obs(0))
+    handles = [engine.submit(TextRequest("what is on the table?", max_tokens=6)) for _ in range(4)]
+    engine.run_cycle(obs(1))
+    frame = engine.scheduler.running[0].frame
+    assert engine.queued_requests == 2 and list(engine.conversation.held) == [""]
+    for _ in range(40):
+        if all(h.done() for h in handles):
+            break
+        engine.run_cycle()
+    replies = [h.result(0) for h in handles]
+    assert all(r.success and len(r.tokens) == 6 for r in replies)
+    assert {r.frame_index for r in replies} == {frame.frame_index}
+    assert not engine.conversation.held and engine.runner.pool.blocks.num_used == 0
+
+
+def test_a_frame_is_held_only_while_the_pool_keeps_its_reserve(engine_factory, obs):
+    """Holding a frame must never take the room the next cycle's frame needs: with the pool too full to keep
+    the reserve beside it, the waiting question is not given the frame (it waits for the robot's next one)."""
+    engine = engine_factory(ignore_eos=True, decode_budget="fixed", tokens_per_frame=1)
+    blocks = engine.runner.pool.blocks
+    engine.run_cycle(obs(0))
+    waiting = engine.submit(TextRequest("what is on the table?", max_tokens=50))
+    taken = blocks.allocate(blocks.num_free - engine.scheduler.reserve_blocks)   # room for the frame alone
+    engine.run_cycle(obs(1))
+    assert engine.queued_requests == 1 and not engine.conversation.held
+    blocks.decref(taken)
+    taken = blocks.allocate(blocks.num_free - 2 * engine.scheduler.reserve_blocks)  # the frame and the reserve
+    engine.run_cycle(obs(2))                                    # not admitted, but the frame is held for it
+    assert engine.queued_requests == 1 and list(engine.conversation.held) == [""]
+    blocks.decref(taken)
+    engine.stop()
+    assert waiting.result(0).finish_reason == "error" and not engine.conversation.held
+    assert blocks.num_used == 0
+
+
+# ---------------------------------------------------------------------------------------------- the socket
+def _ask_over_the_socket(server, question: TextRequest, rng_seed: int, out: list, i: int) -> None:
+    from test_openpi_serve import client, droid_obs
+
+    policy = client(server)
+    try:
+        rng = np.random.default_rng(rng_seed)
+        policy.infer(droid_obs(rng))                             # a few frames first
+        policy.infer(droid_obs(rng))
+        out[i] = policy.infer({**droid_obs(rng), "question": question.text, "max_tokens": question.max_tokens,
+                               "timeout_s": question.timeout_s})
+    except Exception as e:  # noqa: BLE001 - reported by the test
+        out[i] = e
+    finally:
+        policy._ws.close()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_any_mix_of_questions_finishes_over_the_openpi_socket(seed):
+    """Seed 0: one question of the longest length with the longest reply (the issue's 2,000 characters and
+    256 tokens), seed 1: a mix of up to 32 clients, one question each. Each client sends its question with an
+    observation and then no frame until its reply: every reply comes, ended by EOS or its length."""
+    from test_openpi_serve import base_engine, served
+
+    rng = np.random.default_rng(seed)
+    engine = base_engine("droid", ignore_eos=seed == 0, max_active_requests=32)
+    limit = engine.config.max_question_chars
+    if seed == 0:
+        questions = [TextRequest(("what colour is the cube on the left of the table? " * 60)[:limit],
+                                 max_tokens=engine.config.max_tokens_limit, timeout_s=300.0)]
+    else:
+        questions = [TextRequest(q.text, max_tokens=q.max_tokens, timeout_s=300.0)
+                     for q in draw_questions(rng, limit, engine.config.max_tokens_limit)]
+    with served("droid", base=engine, max_clients=32) as server:
+        out: list = [None] * len(questions)
+        threads = [threading.Thread(target=_ask_over_the_socket, args=(server, q, 100 + i, out, i), daemon=True)
+                   for i, q in enumerate(questions)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(400.0)                                       # beyond the requests' own timeout: a hang
+        assert not any(t.is_alive() for t in threads)
+    errors = [r for r in out if not isinstance(r, dict)]
+    assert not errors, errors[:3]
+    assert all(r["finish_reason"] in ("eos", "length") for r in out), [r["finish_reason"] for r in out]
+    if seed == 0:
+        assert out[0]["finish_reason"] == "length" and out[0]["tokens"] == engine.config.max_tokens_limit

@@ -1,0 +1,383 @@
+"""The engine behind LeRobot's async-inference protocol (oxygen_ros/serve/lerobot/), over real gRPC.
+
+`RobotClientReplay` makes the calls LeRobot 0.6.1's robot_client makes, in its order (Ready,
+SendPolicyInstructions, SendObservations in 2 MB BEGIN/MIDDLE/END chunks, GetActions), with pickles written
+by the package's encoder from LeRobot's documented classes, and reads the replies as the client does
+(its classes by LeRobot's names; `.device.type`, `.item()`). Served: a small random pi0.5 with the so101
+robot config's policy I/O. Hostile payloads must come back as a gRPC error saying why while another client
+is served; two clients at once; a client that vanishes frees its robot.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import threading
+import time
+from contextlib import contextmanager
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from conftest import small_config
+from oxygen_ros.engine.engine import EngineConfig
+from oxygen_ros.engine.factory import build_engine, build_model
+from oxygen_ros.model.config import VisionConfig
+from oxygen_ros.robot.configs import find_config, node_params
+from oxygen_ros.robot.policy_io import RobotIOConfig
+from oxygen_ros.serve.layouts import LEROBOT_LAYOUTS, SO101_JOINTS
+from oxygen_ros.serve.lerobot import services_pb2 as pb
+from oxygen_ros.serve.lerobot import services_pb2_grpc
+from oxygen_ros.serve.lerobot.server import SERVED_BY_KEY, LeRobotOptions, LeRobotServer
+from oxygen_ros.serve.lerobot.wire import (LEROBOT_MODULE, RemotePolicyConfig, TimedAction, TimedObservation,
+                                           encode)
+
+CHUNK_SIZE = 2 * 1024 * 1024            # LeRobot's transport/utils.py
+HORIZON = 50                            # config/so101.yaml
+CAMERA = (48, 64, 3)
+
+
+def so101_engine():
+    p = node_params(find_config("so101"), "oxygen_engine")
+    cfg = small_config(action_dim=32, action_horizon=p["action_horizon"], max_token_len=64,
+                       vision=VisionConfig(width=32, depth=1, mlp_dim=64, num_heads=2, image_size=56))
+    return build_engine(built_model=build_model(cfg, seed=5), robot_io=RobotIOConfig.from_params(p),
+                        state_in_prompt=p["state_in_prompt"], kv_budget_mb=16.0, engine=EngineConfig())
+
+
+@contextmanager
+def served(**options):
+    engine = so101_engine()
+    template = engine.preparer
+    engine.remove_robot("")
+    server = LeRobotServer(engine, LEROBOT_LAYOUTS["so101"], LeRobotOptions(port=0, **options), template,
+                           served_by="test weights")
+    engine.start()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        engine.stop()
+
+
+# ---------------------------------------------------------------------------------- the client's side
+def lerobot_features(joints=SO101_JOINTS, cameras=("front", "wrist"), shape=CAMERA) -> dict:
+    """LeRobot's hw_to_dataset_features(robot.observation_features, "observation", use_video=False)."""
+    out = {"observation.state": {"dtype": "float32", "shape": (len(joints),), "names": list(joints)}}
+    for cam in cameras:
+        out[f"observation.images.{cam}"] = {"dtype": "image", "shape": shape, "names": ["height", "width", "channels"],
+                                            "info": {"is_depth_map": False}}
+    return out
+
+
+def chunks(data: bytes):
+    """LeRobot's send_bytes_in_chunks: BEGIN, MIDDLE..., END; a payload within one chunk is a lone END."""
+    sent = 0
+    while sent < len(data):
+        state = pb.TRANSFER_MIDDLE
+        if sent + CHUNK_SIZE >= len(data):
+            state = pb.TRANSFER_END
+        elif sent == 0:
+            state = pb.TRANSFER_BEGIN
+        yield pb.Observation(transfer_state=state, data=data[sent:sent + CHUNK_SIZE])
+        sent += CHUNK_SIZE
+
+
+class _ClientUnpickler(pickle.Unpickler):
+    """What the robot_client's pickle.loads finds: LeRobot's classes under their module name."""
+
+    def find_class(self, module, name):
+        if module == LEROBOT_MODULE:
+            return {"TimedAction": TimedAction}[name]
+        return super().find_class(module, name)
+
+
+class RobotClientReplay:
+    def __init__(self, port: int):
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
+            ("grpc.max_receive_message_length", 4 << 20), ("grpc.max_send_message_length", 4 << 20),
+            # A connection of its own, as each robot_client process has (channels of one process to one
+            # address share one by default, and the server tells clients apart by their connection).
+            ("grpc.use_local_subchannel_pool", 1)])
+        self.stub = services_pb2_grpc.AsyncInferenceStub(self.channel)
+
+    def start(self, actions_per_chunk=10, policy_type="pi05", features=None, rename_map=None):
+        self.stub.Ready(pb.Empty())
+        config = RemotePolicyConfig(policy_type, "user/pi05_so101", features or lerobot_features(),
+                                    actions_per_chunk, "cuda")
+        if rename_map is not None:
+            config.rename_map = rename_map
+        _, call = self.stub.SendPolicyInstructions.with_call(pb.PolicySetup(data=encode(config)))
+        return dict(call.trailing_metadata())
+
+    def send(self, obs: TimedObservation | bytes) -> None:
+        self.stub.SendObservations(chunks(obs if isinstance(obs, bytes) else encode(obs)))
+
+    def get_actions(self) -> list | None:
+        reply = self.stub.GetActions(pb.Empty())
+        if not reply.data:
+            return None
+        return _ClientUnpickler(io.BytesIO(reply.data)).load()
+
+    def first_chunk(self, timeout=60.0) -> list:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            actions = self.get_actions()
+            if actions:
+                return actions
+        raise AssertionError("no chunk")
+
+    def close(self):
+        self.channel.close()
+
+
+def observation(rng, timestep=0, timestamp=None, must_go=True, camera=CAMERA, task="pick up the cube", **extra):
+    raw = {joint: float(rng.uniform(-90, 90)) for joint in SO101_JOINTS}
+    raw["gripper.pos"] = float(rng.uniform(0, 100))
+    raw["front"] = rng.integers(0, 256, camera, dtype=np.uint8)
+    raw["wrist"] = rng.integers(0, 256, camera, dtype=np.uint8)
+    raw["task"] = task
+    raw.update(extra)
+    return TimedObservation(timestamp=time.time() if timestamp is None else timestamp, timestep=timestep,
+                            observation=raw, must_go=must_go)
+
+
+def status_of(fn) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        fn()
+    return e.value.code(), e.value.details()
+
+
+# ---------------------------------------------------------------------------------- the call sequence
+def test_robot_client_call_sequence_gets_timed_actions():
+    rng = np.random.default_rng(0)
+    with served() as server:
+        client = RobotClientReplay(server.port)
+        meta = client.start(actions_per_chunk=12)
+        assert "user/pi05_so101" in meta[SERVED_BY_KEY] and "test weights" in meta[SERVED_BY_KEY]
+        (robot,) = server.clients.values()
+        assert robot in server.engine.robots
+        assert client.get_actions() is None                 # nothing sent yet: an empty reply after the wait
+        obs = observation(rng, timestep=37, timestamp=1000.25)
+        client.send(obs)
+        actions = client.first_chunk()
+        assert len(actions) == 12
+        assert [a.timestep for a in actions] == list(range(37, 49))
+        np.testing.assert_allclose([a.timestamp for a in actions], 1000.25 + np.arange(12) / 30.0, rtol=0, atol=1e-9)
+        for a in actions:
+            assert isinstance(a.action, torch.Tensor) and a.action.device.type == "cpu"
+            assert a.action.dtype == torch.float32 and a.action.shape == (6,)
+            assert a.action.untyped_storage().nbytes() == 6 * 4          # its own row, not a view of the chunk
+            a.action[0].item()
+        chunk = server.engine.latest_chunk(robot)
+        np.testing.assert_allclose(torch.stack([a.action for a in actions]).numpy(),
+                                   chunk.plan.actions[:12].astype(np.float32), rtol=0, atol=0)
+        assert client.get_actions() is None                 # a chunk is fetched once
+        client.close()
+
+
+def test_a_large_observation_arrives_in_2mb_chunks():
+    rng = np.random.default_rng(1)
+    with served() as server:
+        client = RobotClientReplay(server.port)
+        client.start(actions_per_chunk=5, features=lerobot_features(shape=(720, 1280, 3)))
+        obs = observation(rng, timestep=3, camera=(720, 1280, 3))
+        assert [m.transfer_state for m in chunks(encode(obs))] == [pb.TRANSFER_BEGIN, pb.TRANSFER_MIDDLE,
+                                                                   pb.TRANSFER_END]
+        client.send(obs)
+        assert [a.timestep for a in client.first_chunk()] == [3, 4, 5, 6, 7]
+        client.close()
+
+
+def test_policy_instructions_are_validated():
+    with served() as server:
+        client = RobotClientReplay(server.port)
+        code, text = status_of(lambda: client.stub.SendPolicyInstructions(pb.PolicySetup(data=b"")))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "Ready" in text
+        code, text = status_of(lambda: client.start(policy_type="act"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "pi05" in text
+        joints = [j for j in SO101_JOINTS if j != "wrist_roll.pos"] + ["elbow_roll.pos"]
+        code, text = status_of(lambda: client.start(features=lerobot_features(joints=joints,
+                                                                              cameras=("front", "top"))))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "missing joints ['wrist_roll.pos']" in text and "extra joints ['elbow_roll.pos']" in text
+        assert "extra cameras ['top']" in text
+        code, text = status_of(lambda: client.start(actions_per_chunk=HORIZON + 1))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and f"1..{HORIZON}" in text
+        # A renamed camera maps by its new name (LeRobot's rename_map).
+        client.start(features=lerobot_features(cameras=("front", "top")),
+                     rename_map={"observation.images.top": "observation.images.wrist"})
+        client.close()
+
+
+# ---------------------------------------------------------------------------------- hostile payloads
+class _System:
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+class _AllowedNames:
+    """A pickle naming only allowed globals, with arguments that would allocate if trusted."""
+
+    def __init__(self, fn, args, state=None):
+        self.fn, self.args, self.state = fn, args, state
+
+    def __reduce__(self):
+        return (self.fn, self.args) if self.state is None else (self.fn, self.args, self.state)
+
+
+def _with(rng, value) -> bytes:
+    return encode(observation(rng, bad=value))
+
+
+def _nested(depth):
+    value = 1.0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def hostile_payloads(rng, marker):
+    reconstruct = np._core.multiarray._reconstruct
+    with pytest.warns(UserWarning, match="TypedStorage"):
+        one = torch.ones(1).storage()           # a tensor's storage pickles as torch.storage._load_from_bytes
+    return {
+        "os.system": (pickle.dumps(_System(f"touch {marker}")), "INVALID_ARGUMENT", "refused global"),
+        "os.system inside": (_with(rng, _System(f"touch {marker}")), "INVALID_ARGUMENT", "refused global"),
+        "numpy shape bomb": (_with(rng, _AllowedNames(reconstruct, (np.ndarray, (10**10,), b"b"))),
+                             "INVALID_ARGUMENT", "only plain arrays"),
+        "numpy state bomb": (_with(rng, _AllowedNames(reconstruct, (np.ndarray, (0,), b"b"),
+                                                      (1, (10**9,), np.dtype("u1"), False, b""))),
+                             "INVALID_ARGUMENT", "needs 1000000000 bytes, carries 0"),
+        "tensor stride bomb": (_with(rng, _AllowedNames(torch._utils._rebuild_tensor_v2,
+                                                        (one, 0, (10**10,), (0,),
+                                                         False, collections.OrderedDict()))),
+                               "INVALID_ARGUMENT", "does not lie inside its storage"),
+        "object array": (_with(rng, np.array([1, "a"], dtype=object)), "INVALID_ARGUMENT", "refused"),
+        "deep nesting": (_with(rng, _nested(40)), "RESOURCE_EXHAUSTED", "nested deeper"),
+        "4 GB declared length": (b"\x80\x04\x8e" + (4 << 30).to_bytes(8, "little") + b"abc.", "INVALID_ARGUMENT",
+                                 "4294967296"),
+        "memo index bomb": (b"\x80\x04Nr" + (1 << 31).to_bytes(4, "little") + b".", "INVALID_ARGUMENT",
+                            "memo index"),
+        "persistent id": (b"\x80\x04\x8c\x01xQ.", "INVALID_ARGUMENT", "persistent ids"),
+        "not a pickle": (b"\xff\xfe", "INVALID_ARGUMENT", "malformed"),
+        "wrong class": (encode(RemotePolicyConfig("pi05", "x", {}, 1)), "INVALID_ARGUMENT", "RemotePolicyConfig"),
+        "over the byte cap": (encode(observation(rng, camera=(1024, 1024, 3))), "RESOURCE_EXHAUSTED", "bytes"),
+    }
+
+
+def test_hostile_payloads_get_an_error_status_while_another_client_is_served(tmp_path):
+    rng = np.random.default_rng(2)
+    marker = tmp_path / "pwned"
+    with served(max_message_bytes=2 << 20) as server:
+        good, bad = RobotClientReplay(server.port), RobotClientReplay(server.port)
+        good.start(actions_per_chunk=4)
+        bad.start(actions_per_chunk=4)
+        stop, chunks_seen = threading.Event(), []
+
+        def drive():
+            step = 0
+            while not stop.is_set():
+                good.send(observation(rng, timestep=step))
+                actions = good.get_actions()
+                if actions:
+                    chunks_seen.append(actions[0].timestep)
+                step += 1
+        thread = threading.Thread(target=drive)
+        thread.start()
+        try:
+            for name, (payload, code, words) in hostile_payloads(np.random.default_rng(3), marker).items():
+                got, text = status_of(lambda: bad.send(payload))
+                assert (name, got.name) == (name, code), text
+                assert words in text, (name, text)
+            for name, messages in {"no END": [pb.Observation(transfer_state=pb.TRANSFER_BEGIN, data=b"x")],
+                                   "unknown state": [pb.Observation(transfer_state=pb.TRANSFER_UNKNOWN, data=b"x")]
+                                   }.items():
+                got, text = status_of(lambda: bad.stub.SendObservations(iter(messages)))
+                assert got == grpc.StatusCode.INVALID_ARGUMENT, (name, text)
+            n = len(chunks_seen)
+            time.sleep(1.0)
+        finally:
+            stop.set()
+            thread.join()
+        assert not marker.exists()
+        assert n > 0 and len(chunks_seen) > n                 # the other client was served throughout
+        bad.send(observation(rng, timestep=9))                 # and the hostile one's session still works
+        assert bad.first_chunk()[0].timestep == 9
+        good.close()
+        bad.close()
+
+
+# ---------------------------------------------------------------------------------- several clients, leaving
+def test_two_clients_at_once_each_with_its_own_chunk_length():
+    rng = np.random.default_rng(4)
+    with served() as server:
+        a, b = RobotClientReplay(server.port), RobotClientReplay(server.port)
+        a.start(actions_per_chunk=5)
+        b.start(actions_per_chunk=17)
+        assert len(set(server.clients.values())) == 2
+        assert set(server.clients.values()) <= set(server.engine.robots)
+        a.send(observation(rng, timestep=100))
+        b.send(observation(rng, timestep=200))
+        got = {}
+        threads = [threading.Thread(target=lambda c=c, k=k: got.__setitem__(k, c.first_chunk()))
+                   for k, c in (("a", a), ("b", b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [x.timestep for x in got["a"]] == list(range(100, 105))
+        assert [x.timestep for x in got["b"]] == list(range(200, 217))
+        a.close()
+        b.close()
+
+
+def _wait_for(predicate, timeout=10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_robot():
+    rng = np.random.default_rng(5)
+    with served() as server:
+        client = RobotClientReplay(server.port)
+        client.start()
+        (robot,) = server.clients.values()
+        data = encode(observation(rng, camera=(720, 1280, 3)))
+        first_sent = threading.Event()
+
+        def stalled():
+            yield pb.Observation(transfer_state=pb.TRANSFER_BEGIN, data=data[:CHUNK_SIZE])
+            first_sent.set()
+            time.sleep(30)          # never finishes: the channel closes under it
+
+        future = client.stub.SendObservations.future(stalled())
+        assert first_sent.wait(10)
+        client.close()
+        assert _wait_for(lambda: robot not in server.engine.robots), "its robot is still served"
+        assert server.clients == {}
+        future.cancel()
+
+
+def test_a_silent_client_is_freed_after_the_idle_timeout():
+    with served(idle_timeout_s=2.5, actions_wait_s=0.5) as server:
+        client = RobotClientReplay(server.port)
+        client.start()
+        (robot,) = server.clients.values()
+        time.sleep(1.0)
+        assert robot in server.engine.robots
+        assert _wait_for(lambda: robot not in server.engine.robots, timeout=10.0)
+        code, text = status_of(lambda: client.send(observation(np.random.default_rng(6))))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "Ready" in text
+        client.close()

@@ -1,0 +1,278 @@
+"""What one openpi client can cost the server and the other clients (issue: bounded inputs): the decoding
+budget (objects, depth, no extension types) enforced before msgpack builds anything, the socket cap and the
+short handshake timeout under a keyless flood, failed handshakes limited per peer, a departed client's slot
+freed at once, the API key file checked as the console's token file. The server-wide figures (memory growth,
+descriptors against the process limit, delays against the chunk period) are measured from outside by
+`python -m oxygen_ros.serve.bench_hostile`."""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+import threading
+import time
+import tracemalloc
+
+import msgpack
+import numpy as np
+import pytest
+import websockets
+import websockets.sync.client
+from openpi_client import msgpack_numpy
+from test_openpi_serve import aloha_obs, client, droid_obs, served
+
+from oxygen_ros.serve import protocol
+from oxygen_ros.serve.cli import add_bringup_arguments, bringup_problems, parse_args, server_options
+from oxygen_ros.serve.limits import PeerFailures
+from oxygen_ros.serve.protocol import MAX_DEPTH, MAX_OBJECTS, ProtocolError, scan, unpack
+
+pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager")
+KEY = "a-key-of-at-least-sixteen-characters"
+MB32 = 32 << 20
+
+
+# --------------------------------------------------------------------------------------------- the decoding budget
+def _value(rng: random.Random, depth: int):
+    """A random msgpack value whose lengths cross every header width (fix, 8, 16 and 32 bits)."""
+    kind = rng.choice("iifsbnlm" if depth < 3 else "iifsbn")
+    if kind == "i":
+        return rng.choice([0, 1, 127, 128, 255, 256, 65535, 65536, 2**32, 2**63 - 1, -1, -32, -33, -129,
+                           -32769, -2**31 - 1, -2**63])
+    if kind == "f":
+        return rng.uniform(-1e6, 1e6)
+    if kind == "s":
+        return "é" * rng.choice([0, 5, 31, 32, 200, 70000])
+    if kind == "b":
+        return b"\x00" * rng.choice([0, 1, 255, 256, 70000])
+    if kind == "n":
+        return rng.choice([None, True, False])
+    n = rng.choice([0, 1, 15, 16, 20])
+    if kind == "l":
+        return [_value(rng, depth + 1) for _ in range(n)]
+    return {f"k{i}": _value(rng, depth + 1) for i in range(n)}
+
+
+def _objects(value) -> int:
+    if isinstance(value, dict):
+        return 1 + sum(_objects(k) + _objects(v) for k, v in value.items())
+    if isinstance(value, list):
+        return 1 + sum(_objects(x) for x in value)
+    return 1
+
+
+def test_scan_counts_the_objects_msgpack_builds():
+    """scan() reads only headers; msgpack's own decoding is the reference count, over random values of every
+    header width, 32-bit containers, single floats and real openpi messages."""
+    rng = random.Random(0)
+    values = [_value(rng, 0) for _ in range(200)]
+    values += [list(range(70000)), {str(i): i for i in range(70000)}, [1.5, 2.5]]
+    for value in values:
+        for single in (False, True):
+            data = msgpack.packb(value, use_single_float=single)
+            assert scan(data, max_objects=10**6, max_depth=64) == _objects(msgpack.unpackb(data)), value
+    for message in (droid_obs(np.random.default_rng(0)), aloha_obs(np.random.default_rng(0))):
+        data = msgpack_numpy.packb(message)
+        assert scan(data) == _objects(msgpack.unpackb(data)) < 200          # far inside the budget
+
+
+def _nested(levels: int) -> bytes:
+    return b"\x81\xa1a" + b"\x91" * (levels - 2) + b"\x90"                  # {"a": [[...[]...]]}: `levels` deep
+
+
+def test_the_budget_depth_and_extension_limits_refuse_before_msgpack_builds_anything(monkeypatch):
+    exact = msgpack.packb({"a": [0] * (MAX_OBJECTS - 3)})                   # map + key + list + items
+    assert unpack(exact) == {"a": [0] * (MAX_OBJECTS - 3)}
+    deepest = []
+    for _ in range(MAX_DEPTH - 2):
+        deepest = [deepest]
+    assert unpack(_nested(MAX_DEPTH)) == {"a": deepest}
+    refused = {
+        "over the object budget": (msgpack.packb({"a": [0] * (MAX_OBJECTS - 2)}),
+                                   f"more than {MAX_OBJECTS} msgpack objects"),
+        "nested too deep": (_nested(MAX_DEPTH + 1), f"nested deeper than {MAX_DEPTH} maps or arrays"),
+        "an extension type": (msgpack.packb({"a": msgpack.ExtType(5, b"xy")}), "msgpack extension type"),
+        "a timestamp (extension -1)": (msgpack.packb({"t": msgpack.Timestamp(1, 2)}), "msgpack extension type"),
+        "a truncated message": (msgpack.packb({"a": "text"})[:-2], "ends inside an object"),
+        "bytes after the message": (msgpack.packb({"a": 1}) + b"\x01", "1 bytes after its one object"),
+        "the never-used byte": (b"\x81\xa1a\xc1", "byte 0xc1 at offset 3"),
+    }
+    for what, (data, reason) in refused.items():
+        with pytest.raises(ProtocolError, match=reason):
+            unpack(data)
+    # The refusals come from the headers alone: msgpack is never called for any of them.
+    monkeypatch.setattr(protocol.msgpack, "unpackb", lambda *a, **k: pytest.fail("msgpack decoded it"))
+    for what, (data, reason) in refused.items():
+        with pytest.raises(ProtocolError, match=reason):
+            unpack(data)
+
+
+def hostile_messages() -> dict[str, bytes]:
+    """32 MB of empty maps and of empty lists: one flat array, and arrays of arrays that stay within any
+    per-container length limit (msgpack's max_array_len alone lets these through)."""
+    out = {}
+    for name, empty in (("maps", b"\x80"), ("lists", b"\x90")):
+        flat = MB32 - 16
+        out[f"flat {name}"] = b"\xdd" + flat.to_bytes(4, "big") + empty * flat
+        inner = b"\xdc" + (4000).to_bytes(2, "big") + empty * 4000
+        out[f"nested {name}"] = b"\x92" + (b"\xdc" + (4000).to_bytes(2, "big") + inner * 4000) * 2
+    assert all(len(m) <= MB32 for m in out.values())
+    return out
+
+
+def test_a_32_mb_message_of_empty_maps_or_lists_is_refused_without_building_it():
+    """Decoded, each of these is ~33 million objects (GBs); refused, the decoder allocates next to nothing."""
+    for name, data in hostile_messages().items():
+        tracemalloc.start()
+        try:
+            with pytest.raises(ProtocolError, match=f"more than {MAX_OBJECTS} msgpack objects"):
+                unpack(data)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, f"{name}: {peak / 2**20:.1f} MB allocated while refusing it"
+
+
+@pytest.mark.timing
+def test_a_hostile_32_mb_message_delays_another_clients_reply_by_less_than_a_chunk_period():
+    rng = np.random.default_rng(11)
+    with served("droid") as server:
+        good = client(server)
+        good.infer(droid_obs(rng))
+        with websockets.sync.client.connect(f"ws://127.0.0.1:{server.port}", max_size=None) as hostile:
+            hostile.recv(timeout=10)                                            # the metadata
+            chunk_period = server.engine.robot_info(good.get_server_metadata()["client"]).chunk_period_s
+            for name, data in hostile_messages().items():
+                replies = []
+                sender = threading.Thread(target=lambda: (hostile.send(data), replies.append(hostile.recv(60))))
+                sender.start()
+                slowest = 0.0
+                while sender.is_alive() or not slowest:
+                    t = time.monotonic()
+                    assert good.infer(droid_obs(rng))["actions"].shape == (15, 8)
+                    slowest = max(slowest, time.monotonic() - t)
+                sender.join()
+                assert "more than 4096 msgpack objects" in replies[0], name
+                assert slowest < chunk_period, f"{name}: the other client waited {slowest:.2f} s"
+
+
+# --------------------------------------------------------------------------------------------- sockets and keys
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _until(condition, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, what
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def test_a_flood_of_keyless_connections_keeps_the_servers_descriptors_bounded():
+    """300 sockets that never send a request head (the test holds its ends open): the server keeps at most
+    max_clients + max_handshakes of them, closes the rest at accept and the others after the handshake
+    timeout, while the connected client is served."""
+    rng = np.random.default_rng(12)
+    with served("droid", api_key=KEY, max_clients=1, max_handshakes=8, handshake_timeout_s=1.0) as server:
+        good = client(server, api_key=KEY)
+        before = _open_fds()
+        flood = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(300)]
+        try:
+            _until(lambda: server.sockets.accepted == 1 + len(flood), 10, "the server did not accept them all")
+            time.sleep(0.1)                                                     # the aborted ones are closed
+            server_side = _open_fds() - before - len(flood)                    # the test's own ends excluded
+            assert server_side <= server.sockets.limit, f"{server_side} descriptors for {len(flood)} sockets"
+            assert server.sockets.open <= server.sockets.limit == 9 and server.sockets.refused >= 300 - 2 * 8
+            assert good.infer(droid_obs(rng))["actions"].shape == (15, 8)
+            # The handshake timeout closes those within the cap: room for a new client again.
+            _until(lambda: server.sockets.open == 1, 5, "silent sockets were kept past the handshake timeout")
+        finally:
+            for s in flood:
+                s.close()
+        good._ws.close()
+        _until(lambda: server.slots.in_use == 0, 5, "the client's slot was not freed")
+        assert client(server, api_key=KEY).infer(droid_obs(rng))["actions"].shape == (15, 8)
+
+
+def test_failed_handshakes_are_limited_per_peer_address():
+    with served("libero", api_key=KEY, failed_handshakes_per_peer=3) as server:
+        for _ in range(3):
+            with pytest.raises(websockets.ConnectionClosedError, match="1008 .*missing or wrong API key"):
+                client(server, api_key="wrong-key-wrong-key")
+        # The fourth within the window is refused before its key is checked: even the right key waits.
+        for kw in ({"api_key": "wrong-key-wrong-key"}, {"api_key": KEY}):
+            with pytest.raises(websockets.InvalidStatus, match="429") as refused:
+                client(server, **kw)
+            assert b"too many failed handshakes from 127.0.0.1: retry in" in refused.value.response.body
+
+
+def test_peer_failures_slide_their_window_and_keep_a_bounded_table():
+    now = [0.0]
+    failures = PeerFailures(limit=3, window_s=10.0, max_peers=4, clock=lambda: now[0])
+    for t in (0.0, 1.0, 2.0):
+        now[0] = t
+        assert failures.retry_after("a") == 0.0
+        failures.record("a")
+    assert failures.retry_after("a") == pytest.approx(8.0)        # the first failure leaves the window at 10 s
+    now[0] = 10.0
+    assert failures.retry_after("a") == 0.0
+    assert failures.record("a") == 3                               # 1 s and 2 s still count, 0 s no longer
+    for peer in "bcde":
+        failures.record(peer)
+    assert len(failures._failures) == 4 and "a" not in failures._failures    # the oldest address went first
+
+
+def test_a_client_that_leaves_while_its_question_decodes_frees_its_slot_at_once():
+    """Capacity 1. The client's chunk has come back and its question is decoding (the engine is stepped by
+    hand, and no more after that) when it disconnects: its slot is free at once (not when the reply is
+    done, which without further cycles is never), and the next engine cycle ends the question."""
+    rng = np.random.default_rng(13)
+    with served("droid", run_engine=False, max_clients=1) as server:
+        engine = server.engine
+        handles = []
+        submit = engine.submit
+        engine.submit = lambda request: handles.append(submit(request)) or handles[-1]
+        leaving = client(server)
+        leaving._ws.send(msgpack_numpy.packb({**droid_obs(rng), "question": "What is there?", "max_tokens": 200}))
+        _until(lambda: server.hub.in_flight() and handles, 10, "the observation and question never arrived")
+        while server.hub.in_flight():                                   # until its chunk is delivered
+            engine.run_cycle()
+        (handle,) = handles
+        assert engine.active_requests == 1 and not handle.done(), "the question should still be decoding"
+        leaving._ws.close()
+        _until(lambda: server.slots.in_use == 0, 1.0, "the slot was not freed within 1 s")
+        newcomer = client(server)                                       # admitted: not "server full"
+        assert newcomer.get_server_metadata()["client"] != "openpi_0"
+        engine.run_cycle()
+        assert handle.done() and "client disconnected" in handle.result().error
+        assert not engine.active_requests
+
+
+def _options(key_file):
+    args, _ = parse_args(["--robot", "libero", "--api-key-file", str(key_file)])
+    return server_options(args)
+
+
+def _key_file(tmp_path, text: str, mode: int):
+    path = tmp_path / "key"
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def test_the_api_key_file_is_checked_like_the_consoles_token_file(tmp_path):
+    with pytest.raises(ValueError, match=r"--api-key-file .*key can be read by other users \(mode 644\): chmod 600"):
+        _options(_key_file(tmp_path, KEY + "\n", 0o644))
+    with pytest.raises(ValueError, match="--api-key-file .*key: the token has 9 characters, at least 16"):
+        _options(_key_file(tmp_path, "short-key\n", 0o600))
+    with pytest.raises(ValueError, match="--api-key-file .*nothing: No such file"):
+        _options(tmp_path / "nothing")
+    assert _options(_key_file(tmp_path, KEY + "\n", 0o600)).api_key == KEY
+    # oxygen_bringup --openpi-api-key-file: the same check, listed with the bringup's problems before it starts.
+    parser = argparse.ArgumentParser()
+    add_bringup_arguments(parser)
+    args = parser.parse_args(["--openpi-port", "0", "--openpi-api-key-file", str(_key_file(tmp_path, KEY, 0o640))])
+    args.robot, args.managed = "droid", False
+    assert bringup_problems(args) == [f"--openpi-api-key-file {tmp_path / 'key'} can be read by other users "
+                                      f"(mode 640): chmod 600 {tmp_path / 'key'}"]
