@@ -383,7 +383,8 @@ def startup_refusal(args, files: list[str], ros_args: list[str]) -> str:
     lines = ["oxygen_bringup: refusing to start, bad parameters:\n  " + "\n  ".join(report.problems)] \
         if report.problems else []
     console = dict({p.name: p.default for p in CONSOLE}, **report.values("oxygen_console"))
-    ports = [PortUse("--openpi-port", args.openpi_host, args.openpi_port or 0)]
+    ports = [PortUse("--openpi-port", args.openpi_host, args.openpi_port or 0),
+             PortUse("--lerobot-port", args.lerobot_host, args.lerobot_port or 0)]
     if type(console["port"]) is int and isinstance(console["host"], str):     # else a problem listed above
         ports.append(PortUse("--console" if args.console else "oxygen_console.port", console["host"], console["port"]))
     lines += [f"oxygen_bringup: refusing to start: {line}" for line in port_problems(ports)]
@@ -432,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                 args.console),
                              params_files=ParamsFiles(files))
     nodes = [engine_node]
-    openpi = None
+    servers = []            # the openpi and LeRobot clients' (--openpi-port, --lerobot-port)
     try:
         executors.services.add_node(engine_node)
         if not args.managed:
@@ -449,9 +450,9 @@ def main(argv: list[str] | None = None) -> int:
             engine_node.trigger_activate()
             from .serve.cli import start_for_bringup
             try:
-                openpi = start_for_bringup(engine_node.engine, args)       # None without --openpi-port
-            except (ValueError, OSError) as e:
-                print(f"oxygen_bringup: refusing to start, openpi server: {e}", file=sys.stderr)
+                servers = start_for_bringup(engine_node.engine, args)
+            except ValueError as e:
+                print(f"oxygen_bringup: refusing to start: {e}", file=sys.stderr)
                 return 2
         if args.demo:
             from .nodes.demo_client import DemoClient, SceneQuestions
@@ -479,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                 if attached is not None and engine_node.state_label == "active":
                     warning, late = late_warning(engine_node.engine, late)
                     print(status_line(engine_node.engine, attached.robots)
-                          + (f" | {openpi.status()}" if openpi else "")
+                          + "".join(f" | {server.status()}" for server in servers)
                           + (f" | {sim.status()}" if args.demo else "") + warning, flush=True)
                 else:
                     print(f"[status] oxygen_engine {engine_node.state_label}", flush=True)
@@ -489,8 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         # engine lets go of the device, then ROS.
         for node in nodes[1:]:
             executors.other.remove_node(node)
-        if openpi:
-            openpi.stop()
+        for server in servers:
+            server.stop()
         if engine_node.state_label != "finalized":
             engine_node.trigger_shutdown()
         executors.shutdown()

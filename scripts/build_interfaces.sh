@@ -103,7 +103,7 @@ command -v ninja >/dev/null || BUILD_REQS="$BUILD_REQS ninja"
 
 # shellcheck disable=SC2086
 run_step "oxygen_interfaces: installing its build requirements (ament, rosidl generators, cmake)" "$LOG" \
-  "$PY" -m pip install --progress-bar off $BUILD_REQS || {
+  "$PY" -m pip install $BUILD_REQS || {
   explain_pip_failure "oxygen_interfaces' build requirements" "$LOG" >&2
   exit 1
 }

@@ -25,6 +25,7 @@ TORCH_MODE="${OXYGEN_TORCH:-auto}"
 CPU_INDEX="${OXYGEN_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 TORCH_VERSION="$(sed -nE 's/^torch==([^ ;#]+).*/\1/p' requirements-python.txt)"
 LOGS=.venv/.oxygen_stamps/logs
+export PIP_PROGRESS_BAR=off     # the logs get pip's lines, not its progress bars
 
 case "$TORCH_MODE" in
   auto | cpu | cuda | skip) ;;
@@ -56,11 +57,12 @@ mkdir -p "$STAMPS"
 
 fingerprint() { cat "$@" | sha256sum | cut -d' ' -f1; }
 
-# pip_step LABEL NAME ARGS...: pip install ARGS with progress; a failure is explained in a few lines.
+# pip_step LABEL NAME ARGS...: pip ARGS with progress, its output in $LOGS/NAME.log; a failure is explained
+# in a few lines.
 pip_step() {
   local label="$1" log="$LOGS/$2.log"
   shift 2
-  run_step "$label" "$log" python -m pip install --progress-bar off "$@" || {
+  run_step "$label" "$log" python -m pip "$@" || {
     explain_pip_failure "$label" "$log" >&2
     exit 1
   }
@@ -118,7 +120,7 @@ torch_step() {
   fi
   say "  none; from PyTorch's CPU index $CPU_INDEX (about 190 MB)"
   run_step "torch: downloading $TORCH_VERSION (CPU build)" "$LOGS/torch-cpu.log" \
-    python -m pip install --progress-bar off --no-deps --index-url "$CPU_INDEX" "torch==$TORCH_VERSION" || {
+    python -m pip install --no-deps --index-url "$CPU_INDEX" "torch==$TORCH_VERSION" || {
     explain_pip_failure "torch $TORCH_VERSION from PyTorch's CPU index" "$LOGS/torch-cpu.log" >&2
     say "  Or: OXYGEN_TORCH=cuda (PyPI's CUDA build, ~2.7 GB), or install torch $TORCH_VERSION into .venv yourself and run OXYGEN_TORCH=skip $0" >&2
     exit 1
@@ -132,11 +134,11 @@ if [[ "$(cat "$STAMPS/requirements" 2>/dev/null)" != "$REQ_HASH" ]]; then
   if [[ "$TORCH_MODE" == skip ]]; then
     # requirements.txt without torch and triton (the robot's torch brings the triton it needs).
     { grep -vE '^-r ' requirements.txt; grep -vE '^(torch|triton)==' requirements-python.txt; } > "$STAMPS/requirements-notorch.txt"
-    pip_step "installing the requirements but torch and triton (requirements.txt)" requirements -r "$STAMPS/requirements-notorch.txt"
+    pip_step "installing the requirements but torch and triton (requirements.txt)" requirements install -r "$STAMPS/requirements-notorch.txt"
   else
-    pip_step "installing the requirements (requirements.txt)" requirements -r requirements.txt
+    pip_step "installing the requirements (requirements.txt)" requirements install -r requirements.txt
   fi
-  pip_step "installing requirements-nodeps.txt (without their dependency pins)" nodeps --no-deps -r requirements-nodeps.txt
+  pip_step "installing requirements-nodeps.txt (without their dependency pins)" nodeps install --no-deps -r requirements-nodeps.txt
   echo "$REQ_HASH" > "$STAMPS/requirements"
 else
   say "requirements up to date (torch $(installed_torch || true))"
@@ -147,7 +149,7 @@ bash scripts/build_interfaces.sh
 PKG_HASH="$(fingerprint setup.py setup.cfg package.xml)"
 if [[ "$(cat "$STAMPS/package" 2>/dev/null)" != "$PKG_HASH" ]] \
   || ! python -c "import importlib.util as u; assert u.find_spec('oxygen_ros.kernels')" 2>/dev/null; then
-  pip_step "installing oxygen_ros (editable)" package --no-deps --no-build-isolation -e .
+  pip_step "installing oxygen_ros (editable)" package install --no-deps --no-build-isolation -e .
   echo "$PKG_HASH" > "$STAMPS/package"
 fi
 say "ready: . .venv/bin/activate"

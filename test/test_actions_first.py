@@ -320,7 +320,7 @@ def test_the_engine_node_warns_or_refuses_when_the_robots_would_not_fit(tmp_path
     with engine_node_in_process(tmp_path, params, private_domain(43)) as node:
         node.trigger_configure()
         if strict:
-            assert node.engine is None and "strict_capacity: capacity: 1 robots" in node.failure
+            assert node.engine is None and "strict_capacity: capacity: 1 robot, " in node.failure
             assert "predicted short: ['']" in node.failure
             return
         node.trigger_activate()

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import stat
 import struct
-import threading
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,28 +59,32 @@ def root(tmp_path, weights) -> Path:
     return tmp_path
 
 
+# Run as a separate process: a loader blocked opening a FIFO may hold the interpreter lock (safetensors).
+WATCHDOG = """
+import os, pathlib, stat, sys, time
+time.sleep(float(sys.argv[2]))
+root = pathlib.Path(sys.argv[1])
+(root / "watchdog_fired").touch()
+for path in root.rglob("*"):
+    if stat.S_ISFIFO(path.lstat().st_mode):
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+"""
+
+
 @pytest.fixture
 def within_seconds(root):
     """Fail a case that blocks instead of hanging the suite. A loader that opens a FIFO for reading blocks
     in the open call, inside native code that retries it after a signal (safetensors, sentencepiece), so no
-    alarm can interrupt it: after 10 s a watchdog opens every FIFO under `root` for writing and closes it,
-    which lets the open return (the read then sees the end of the file), and the case fails."""
-    blocked = []
-
-    def release():
-        blocked.append(True)
-        for path in root.rglob("*"):
-            if stat.S_ISFIFO(path.lstat().st_mode):
-                try:
-                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))   # ENXIO: nobody reads it
-                except OSError:
-                    pass
-
-    watchdog = threading.Timer(10.0, release)
-    watchdog.start()
+    alarm can interrupt it: after 10 s a watchdog process opens every FIFO under `root` for writing and
+    closes it, which lets the open return (the read then sees the end of the file), and the case fails."""
+    watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(root), "10"])
     yield
-    watchdog.cancel()
-    assert not blocked, "a file was opened that blocked: a FIFO read"
+    watchdog.kill()
+    watchdog.wait()
+    assert not (root / "watchdog_fired").exists(), "a file was opened that blocked: a FIFO read"
 
 
 # ------------------------------------------------------------------------------------------ the spoilers

@@ -331,7 +331,7 @@ def test_first_paint_shows_no_broken_picture_and_asks_for_no_favicon(console):
     wait = WebDriverWait(driver, 60, poll_frequency=0.2)
     wait.until(lambda d: "loaded" in d.find_element(By.ID, "tile-base_0_rgb").get_attribute("class"))
     # Each camera tile names its slot and the frame it shows; the debug picture says what it is.
-    assert re.fullmatch(r"base_0_rgb\nmodel input, frame \d+", text(driver, "tile-base_0_rgb"))
+    assert re.fullmatch(r"base_0_rgb\nframe \d+", text(driver, "tile-base_0_rgb"))
     assert text(driver, "tile-overlay").startswith("debug picture")
     # A browser asks every page load for /favicon.ico, without the token: answered 404 before the checks,
     # not refused (a refusal is a warning in the log, at every page load).

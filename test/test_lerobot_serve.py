@@ -177,6 +177,8 @@ def test_robot_client_call_sequence_gets_timed_actions():
         np.testing.assert_allclose(torch.stack([a.action for a in actions]).numpy(),
                                    chunk.plan.actions[:12].astype(np.float32), rtol=0, atol=0)
         assert client.get_actions() is None                 # a chunk is fetched once
+        summary = server.served_summary()
+        assert summary["chunks"] == 1 and 0 < summary["latency_ms"]["max"] < 60e3
         client.close()
 
 
@@ -381,3 +383,69 @@ def test_a_silent_client_is_freed_after_the_idle_timeout():
         code, text = status_of(lambda: client.send(observation(np.random.default_rng(6))))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "Ready" in text
         client.close()
+
+
+# ---------------------------------------------------------------------------------- oxygen_bringup --lerobot-port
+DEMO_JOINTS = ("joint_1.pos", "joint_2.pos", "joint_3.pos")
+
+
+def test_bringup_serves_lerobot_clients_next_to_the_ros_robot():
+    """`oxygen_bringup --demo --lerobot-port 0`: a LeRobot client on the demo engine beside the simulated ROS
+    robot: Ready, policy instructions, an observation, its timed actions; the status line counts it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", ROS_DOMAIN_ID=str(101 + os.getpid() % 100))
+    proc = subprocess.Popen([sys.executable, "-m", "oxygen_ros.bringup", "--demo", "--lerobot-port", "0",
+                             "--duration", "120"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(line.rstrip() for line in proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 150
+        while not any(line.startswith("[status] actions") for line in lines):   # the ROS robot is served
+            assert proc.poll() is None and time.monotonic() < deadline, "\n".join(lines[-30:])
+            time.sleep(0.1)
+        (line,) = [line for line in lines if "LeRobot clients on " in line]
+        client = RobotClientReplay(int(line.split("LeRobot clients on ")[1].split(" ")[0].rsplit(":", 1)[1]))
+        client.start(actions_per_chunk=8, features=lerobot_features(joints=DEMO_JOINTS, cameras=("base",),
+                                                                    shape=(64, 64, 3)))
+        rng = np.random.default_rng(9)
+        raw = {joint: float(rng.uniform(-0.5, 0.5)) for joint in DEMO_JOINTS}
+        raw |= {"base": rng.integers(0, 256, (64, 64, 3), dtype=np.uint8), "task": "touch the red cube"}
+        client.send(TimedObservation(timestamp=50.0, timestep=7, observation=raw, must_go=True))
+        actions = client.first_chunk()
+        assert [a.timestep for a in actions] == list(range(7, 15))
+        assert all(a.action.shape == (3,) and a.action.dtype == torch.float32 for a in actions)
+        while not any("LeRobot clients 1/8" in line for line in lines if line.startswith("[status]")):
+            assert time.monotonic() < deadline, "\n".join(lines[-30:])
+            time.sleep(0.1)
+        client.close()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, "\n".join(lines[-30:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_bringup_refuses_a_lerobot_port_in_use_before_the_model_loads():
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "oxygen_ros.bringup", "--demo", "--duration", "1", "--lerobot-port",
+                            str(port)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"oxygen_bringup: refusing to start: --lerobot-port: port {port} on 127.0.0.1 is in use (another program "
+        "listens there): give another port or stop that program"]
+    r = subprocess.run([sys.executable, "-m", "oxygen_ros.bringup", "--robot", "libero", "--lerobot-port", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--lerobot-port needs --robot with a LeRobot mapping (demo, so101)" in r.stderr

@@ -171,28 +171,40 @@ def _until(condition, timeout: float, what: str) -> float:
 
 def test_a_flood_of_keyless_connections_keeps_the_servers_descriptors_bounded():
     """300 sockets that never send a request head (the test holds its ends open): the server keeps at most
-    max_clients + max_handshakes of them, closes the rest at accept and the others after the handshake
-    timeout, while the connected client is served."""
+    max_clients + max_handshakes of them and closes the rest as it accepts them, while the connected client
+    is served."""
     rng = np.random.default_rng(12)
-    with served("droid", api_key=KEY, max_clients=1, max_handshakes=8, handshake_timeout_s=1.0) as server:
+    with served("droid", api_key=KEY, max_clients=1, max_handshakes=8, handshake_timeout_s=10.0) as server:
         good = client(server, api_key=KEY)
         before = _open_fds()
         flood = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(300)]
         try:
-            _until(lambda: server.sockets.accepted == 1 + len(flood), 10, "the server did not accept them all")
-            time.sleep(0.1)                                                     # the aborted ones are closed
-            server_side = _open_fds() - before - len(flood)                    # the test's own ends excluded
-            assert server_side <= server.sockets.limit, f"{server_side} descriptors for {len(flood)} sockets"
-            assert server.sockets.open <= server.sockets.limit == 9 and server.sockets.refused >= 300 - 2 * 8
+            _until(lambda: server.sockets.accepted == 1 + len(flood), 5, "the server did not accept them all")
+            # The server's descriptors (the test's own ends excluded), once the aborted sockets are closed; the
+            # others are held for the 10 s handshake timeout.
+            server_side = lambda: _open_fds() - before - len(flood)             # noqa: E731
+            _until(lambda: server_side() <= server.sockets.limit, 3,
+                   f"{server_side()} server descriptors for {len(flood)} sockets, the cap is {server.sockets.limit}")
+            assert server.sockets.open == server.sockets.limit == 9
             assert good.infer(droid_obs(rng))["actions"].shape == (15, 8)
-            # The handshake timeout closes those within the cap: room for a new client again.
-            _until(lambda: server.sockets.open == 1, 5, "silent sockets were kept past the handshake timeout")
         finally:
             for s in flood:
                 s.close()
+        _until(lambda: server.sockets.open == 1, 5, "the closed sockets were not released")
         good._ws.close()
         _until(lambda: server.slots.in_use == 0, 5, "the client's slot was not freed")
         assert client(server, api_key=KEY).infer(droid_obs(rng))["actions"].shape == (15, 8)
+
+
+@pytest.mark.timing
+def test_a_connection_that_never_sends_its_request_head_is_closed_after_the_handshake_timeout():
+    with served("libero", api_key=KEY, handshake_timeout_s=1.0) as server:
+        silent = socket.create_connection(("127.0.0.1", server.port))
+        silent.settimeout(30)
+        start = time.monotonic()
+        assert silent.recv(1) == b""                                           # closed by the server
+        assert time.monotonic() - start < 4.0, "closed, but long after the 1 s handshake timeout"
+        silent.close()
 
 
 def test_failed_handshakes_are_limited_per_peer_address():
@@ -236,12 +248,19 @@ def test_a_client_that_leaves_while_its_question_decodes_frees_its_slot_at_once(
         leaving = client(server)
         leaving._ws.send(msgpack_numpy.packb({**droid_obs(rng), "question": "What is there?", "max_tokens": 200}))
         _until(lambda: server.hub.in_flight() and handles, 10, "the observation and question never arrived")
-        while server.hub.in_flight():                                   # until its chunk is delivered
+        for _ in range(20):                          # a cycle at a time until its chunk is delivered
             engine.run_cycle()
+            deadline = time.monotonic() + 0.5
+            while server.hub.in_flight() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if not server.hub.in_flight():
+                break
+        assert not server.hub.in_flight(), "no chunk after 20 cycles"
         (handle,) = handles
         assert engine.active_requests == 1 and not handle.done(), "the question should still be decoding"
         leaving._ws.close()
-        _until(lambda: server.slots.in_use == 0, 1.0, "the slot was not freed within 1 s")
+        # At once (the benchmark measures it against 1 s); the bound here only leaves slack for a loaded machine.
+        _until(lambda: server.slots.in_use == 0, 5.0, "the slot was not freed")
         newcomer = client(server)                                       # admitted: not "server full"
         assert newcomer.get_server_metadata()["client"] != "openpi_0"
         engine.run_cycle()

@@ -274,7 +274,8 @@ def _serve(base, layout, options: ServeOptions, interrupted: StopRequest) -> int
 
 # ---------------------------------------------------------------------------------------------- oxygen_bringup
 def add_bringup_arguments(parser: argparse.ArgumentParser) -> None:
-    """oxygen_bringup's --openpi-* options: socket robots next to the ROS robot, on its engine."""
+    """oxygen_bringup's --openpi-* and --lerobot-* options: socket robots next to the ROS robot, on its engine."""
+    from .lerobot.server import LeRobotOptions
     from .server import ServeOptions
 
     d = ServeOptions()
@@ -285,13 +286,28 @@ def add_bringup_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--openpi-host", default=d.host, help="address the openpi server listens on")
     group.add_argument("--openpi-api-key-file", type=Path, help="API key file the openpi clients must match")
     group.add_argument("--openpi-max-clients", type=int, default=d.max_clients, help="openpi connections at once")
+    d = LeRobotOptions()
+    group = parser.add_argument_group("LeRobot clients (docs/lerobot.md)")
+    group.add_argument("--lerobot-port", type=int, metavar="PORT",
+                       help="also serve LeRobot's robot_client (async inference, gRPC) on this port, batched on the "
+                            "same engine (their joints and cameras: the --robot config's LeRobot mapping)")
+    group.add_argument("--lerobot-host", default=d.host, help="address the LeRobot server listens on")
+    group.add_argument("--lerobot-max-clients", type=int, default=d.max_clients,
+                       help="LeRobot clients at once")
 
 
 def bringup_problems(args) -> list[str]:
-    """What oxygen_bringup's --openpi-* options cannot do, one line each (checked before anything starts)."""
-    if args.openpi_port is None:
-        return []
+    """What oxygen_bringup's --openpi-* and --lerobot-* options cannot do, one line each (checked before
+    anything starts)."""
     out = []
+    if args.lerobot_port is not None:
+        if args.robot not in LEROBOT_LAYOUTS:
+            out.append(f"--lerobot-port needs --robot with a LeRobot mapping ({', '.join(sorted(LEROBOT_LAYOUTS))}): "
+                       "the LeRobot clients take its robot config's joints, cameras and policy I/O")
+        if args.managed:
+            out.append("--lerobot-port needs the engine the bringup configures: not with --managed")
+    if args.openpi_port is None:
+        return out
     if args.robot not in LAYOUTS:
         out.append("--openpi-port needs --robot (droid, aloha, libero, demo): the openpi clients take its robot "
                    "config's keys and policy I/O (a fleet's socket robots are not supported yet)")
@@ -307,17 +323,34 @@ def bringup_problems(args) -> list[str]:
     return out
 
 
-def start_for_bringup(engine, args):
-    """The openpi server on a configured, running engine (None without --openpi-port): clients become robots
-    of that engine beside the ROS robot, with its policy I/O and norm stats. ValueError: bad options."""
-    if args.openpi_port is None:
-        return None
-    from .server import ServeOptions, openpi_server
+def start_for_bringup(engine, args) -> list:
+    """The openpi and LeRobot servers on a configured, running engine (none without --openpi-port and
+    --lerobot-port): clients become robots of that engine beside the ROS robot, with its policy I/O and norm
+    stats. ValueError naming the option: a server that cannot start (those started are stopped again)."""
+    servers, flag = [], None
+    try:
+        if args.openpi_port is not None:
+            from .server import ServeOptions, openpi_server
 
-    d = ServeOptions()
-    ns = argparse.Namespace(host=args.openpi_host, port=args.openpi_port, api_key_file=args.openpi_api_key_file,
-                            max_clients=args.openpi_max_clients, max_message_mb=d.max_message_bytes / 2**20,
-                            default_prompt=None, reply_timeout=d.reply_timeout_s, serial=False)
-    server = openpi_server(engine, LAYOUTS[args.robot], server_options(ns, "--openpi-api-key-file")).start()
-    print(f"oxygen_bringup: openpi clients on ws://{args.openpi_host}:{server.port} ({args.robot} keys)", flush=True)
-    return server
+            flag, d = "--openpi-port", ServeOptions()
+            ns = argparse.Namespace(host=args.openpi_host, port=args.openpi_port, api_key_file=args.openpi_api_key_file,
+                                    max_clients=args.openpi_max_clients, max_message_mb=d.max_message_bytes / 2**20,
+                                    default_prompt=None, reply_timeout=d.reply_timeout_s, serial=False)
+            servers.append(openpi_server(engine, LAYOUTS[args.robot], server_options(ns, "--openpi-api-key-file")).start())
+            print(f"oxygen_bringup: openpi clients on ws://{args.openpi_host}:{servers[-1].port} ({args.robot} keys)",
+                  flush=True)
+        if args.lerobot_port is not None:
+            from .lerobot.server import LeRobotOptions, LeRobotServer
+
+            flag = "--lerobot-port"
+            options = LeRobotOptions(host=args.lerobot_host, port=args.lerobot_port,
+                                     max_clients=args.lerobot_max_clients)
+            servers.append(LeRobotServer(engine, LEROBOT_LAYOUTS[args.robot], options,
+                                         served_by=f"oxygen_bringup's engine (--robot {args.robot})").start())
+            print(f"oxygen_bringup: LeRobot clients on {args.lerobot_host}:{servers[-1].port} ({args.robot} joints "
+                  "and cameras)", flush=True)
+    except (ValueError, OSError, RuntimeError) as e:
+        for server in servers:
+            server.stop()
+        raise ValueError(f"{flag}: {e}") from e
+    return servers

@@ -58,7 +58,13 @@ def _ascii(text: str) -> str:
 
 
 def _put(img: np.ndarray, text: str, org, scale=0.42, color=(255, 255, 255)) -> None:
-    cv2.putText(img, text, org, FONT, scale, (0, 0, 0), 3, cv2.LINE_AA)       # outline: readable on any image
+    """Text on a darkened band: readable on any image (a black outline ran the letters together on a light
+    background, scaled to the console's width)."""
+    (w, h), base = cv2.getTextSize(text, FONT, scale, 1)
+    x, y = org
+    y0, y1 = max(y - h - 4, 0), min(y + base + 2, img.shape[0])
+    x0, x1 = max(x - 4, 0), min(x + w + 4, img.shape[1])
+    img[y0:y1, x0:x1] = (img[y0:y1, x0:x1] * 0.3).astype(np.uint8)
     cv2.putText(img, text, org, FONT, scale, color, 1, cv2.LINE_AA)
 
 

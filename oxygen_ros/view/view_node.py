@@ -78,7 +78,7 @@ class ViewNode(Node):
         self.pictures = 0
         engine.add_frame_listener(self._on_frame)
         engine.add_chunk_listener(lambda c: c.robot == robot and self._on_chunk(c))
-        engine.add_caption_listener(lambda c: c.robot == robot and self.set_reply(f"[caption] {c.text}"))
+        engine.add_caption_listener(lambda c: c.robot == robot and self.set_reply(f"[caption of frame {c.frame_index}] {c.text}"))
         from oxygen_interfaces.srv import Converse
 
         self._questions: dict = {}

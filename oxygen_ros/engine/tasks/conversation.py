@@ -53,7 +53,7 @@ class ConversationTask:
         preemptible = self.config.decode_budget == "deadline"
         if frames or not self.frame_waiting():
             waiting = preemptible and self.frame_waiting()          # then only the minimum chunk of prefill
-            self._prefill(sched.prefill_chunks(self.clock(), self.clock() if waiting else deadline) if frames or sched.budget.cost.tokens_within(deadline - self.clock(), 1) else [], report)
+            self._prefill(sched.prefill_chunks(self.clock(), self.clock() if waiting else deadline), report)
         report.admit_s = self.clock() - t
         t = self.clock()
         steps = 0

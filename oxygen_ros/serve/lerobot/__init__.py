@@ -7,6 +7,7 @@ This module stays light (no grpc, no torch) for the command lines' argument pars
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import threading
@@ -84,5 +85,6 @@ def serve(node, args, interrupted: threading.Event) -> int:
         server.stop()
     finally:
         base.stop()
+    print(f"oxygen_serve: LeRobot chunks served: {json.dumps(server.served_summary())}", flush=True)
     print("oxygen_serve: stopped", flush=True)
     return 0

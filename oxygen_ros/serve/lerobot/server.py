@@ -20,6 +20,7 @@ its connection cancels a waiting GetActions, or after `idle_timeout_s` without a
 """
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
@@ -29,6 +30,7 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from oxygen_ros.engine.engine import ChunkResult, Engine
@@ -88,6 +90,7 @@ class _Sent:
     obs: object                   # the Observation handed to the engine
     timestamp: float
     timestep: int
+    received: float               # time.monotonic() when it was decoded
 
 
 def _rpc(handler):
@@ -117,6 +120,7 @@ class Client:
         self.sent: _Sent | None = None              # the newest observation submitted
         self.frames: dict[int, _Sent] = {}          # frame index -> its observation (latest few)
         self.ready: list[TimedAction] | None = None  # the newest chunk not yet fetched
+        self.ready_from: _Sent | None = None       # ... and the observation it answers
         self.failure: str | None = None            # why the engine dropped its newest frame
         self.gone = False
 
@@ -143,6 +147,7 @@ class LeRobotServer(services_pb2_grpc.AsyncInferenceServicer):
         self._count = itertools.count()
         self._decoder = OneDecoder("oxygen-lerobot-decode")
         self._stop = threading.Event()
+        self._served = collections.deque(maxlen=100_000)   # (when, observation -> chunk seconds) per chunk fetched
         self._grpc: grpc.Server | None = None
         self._reaper: threading.Thread | None = None
         engine.add_frame_listener(self._on_frame)
@@ -183,7 +188,19 @@ class LeRobotServer(services_pb2_grpc.AsyncInferenceServicer):
         self._stop.wait()
 
     def status(self) -> str:
-        return f"LeRobot clients {len(self._clients)}/{self.options.max_clients}"
+        return f"LeRobot clients {len(self._clients)}/{self.options.max_clients}, {len(self._served)} chunks served"
+
+    def served_summary(self) -> dict:
+        """The chunks fetched so far: how many, at what rate (first to last), and their latency from the
+        observation's arrival to the chunk's reply (decode, the engine's queue and cycle, the reply)."""
+        served = list(self._served)
+        if not served:
+            return {"chunks": 0}
+        when, latency = np.array([w for w, _ in served]), 1e3 * np.array([s for _, s in served])
+        span = when[-1] - when[0]
+        return {"chunks": len(served), "chunks_per_s": (len(served) - 1) / span if span > 0 else None,
+                "latency_ms": {"p50": float(np.percentile(latency, 50)), "p90": float(np.percentile(latency, 90)),
+                               "max": float(latency.max())}}
 
     @property
     def clients(self) -> dict[str, str]:
@@ -252,7 +269,7 @@ class LeRobotServer(services_pb2_grpc.AsyncInferenceServicer):
                                           client.config.rename_map)
         except InputError as e:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        sent = _Sent(obs, float(timed.timestamp), timed.timestep)
+        sent = _Sent(obs, float(timed.timestamp), timed.timestep, time.monotonic())
         with client.changed:
             if client.gone:
                 raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "this session has ended: call Ready")
@@ -276,8 +293,8 @@ class LeRobotServer(services_pb2_grpc.AsyncInferenceServicer):
                     break
                 client.changed.wait(min(left, 0.1))
                 client.last_seen = time.monotonic()
-            chunk, failure = client.ready, client.failure
-            client.ready = client.failure = None
+            chunk, failure, answered = client.ready, client.failure, client.ready_from
+            client.ready = client.failure = client.ready_from = None
         if not context.is_active():             # the client closed its channel: it is gone
             self._release(client, "client disconnected")
             return services_pb2.Actions()
@@ -287,7 +304,10 @@ class LeRobotServer(services_pb2_grpc.AsyncInferenceServicer):
             raise _Abort(grpc.StatusCode.UNAVAILABLE, f"engine safe stop: {self.engine.faulted}")
         if chunk is None:
             return services_pb2.Actions()       # nothing yet: the client asks again (LeRobot's behaviour)
-        return services_pb2.Actions(data=encode(chunk))
+        reply = services_pb2.Actions(data=encode(chunk))
+        now = time.monotonic()
+        self._served.append((now, now - answered.received))
+        return reply
 
     # ------------------------------------------------------------------ helpers (gRPC threads)
     def _client(self, context) -> Client:
@@ -402,7 +422,7 @@ class LeRobotServer(services_pb2_grpc.AsyncInferenceServicer):
         actions = [TimedAction(timestamp=sent.timestamp + i * dt, timestep=sent.timestep + i, action=row.clone())
                    for i, row in enumerate(rows)]
         with client.changed:
-            client.ready = actions
+            client.ready, client.ready_from = actions, sent
             client.changed.notify_all()
 
     def _on_discard(self, robot: str, why: str) -> None:
