@@ -13,7 +13,8 @@ then the episodes in waves of K robot_client processes at once, each its own epi
 drawn as `python -m oxygen_ros.eval` draws it: the same scenes and named cubes), each with the episode's
 prompt as --task. An episode ends when the tip touches the named cube (success) or after --steps actions;
 the plugin writes the outcome and the client is stopped (SIGINT). The server's summary at its stop gives
-the chunks served, their rate and their latency (an observation's arrival to its chunk's reply).
+the chunks served, the rate at which each client got them while it ran (chunks/s per client; x K: the
+engine's rate for K clients at once) and their latency (an observation's arrival to its chunk's reply).
 """
 from __future__ import annotations
 
@@ -114,8 +115,8 @@ def run_setting(args, clients: int, episodes: int) -> dict:
     return {"clients": clients, "episodes": len(outcomes),
             "success_rate": sum(o["success"] for o in outcomes) / len(outcomes),
             "server": summary, "server_exit": code,
-            "chunks_per_s_per_client": summary["chunks_per_s"] / clients if summary and summary.get("chunks_per_s")
-            else None,
+            "chunks_per_s_all_clients": summary["chunks_per_s_per_client"] * clients
+            if summary and summary.get("chunks_per_s_per_client") else None,
             "outcomes": outcomes, "wall_s": round(time.monotonic() - start, 1),
             "load_avg_1min": {"start": load, "end": os.getloadavg()[0]}}
 

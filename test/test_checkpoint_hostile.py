@@ -325,11 +325,6 @@ def test_a_hostile_file_is_a_checkpoint_error_naming_it(root, within_seconds, sp
     assert "\n" not in message and len(message) < 1000, message
 
 
-def test_more_than_26_cases_of_each_kind_of_file():
-    assert len(CASES) >= 26
-    assert {loader for _, _, loader, _, _ in CASES} == set(LOADERS)
-
-
 # ------------------------------------------------------------------------------- at the engine's configure
 def test_file_problems_lists_each_files_problem_once_and_loads_nothing(root, within_seconds):
     """What the engine node lists at configure: the weights' dtype, the tokenizer (a FIFO) and the statistics

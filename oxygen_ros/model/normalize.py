@@ -68,7 +68,7 @@ def _stats(stats: JsonObject, name: str) -> Stats:
     s = Stats(arr("mean"), arr("std"), arr("q01", False), arr("q99", False))
     dims = {len(x) for x in (s.mean, s.std, s.q01, s.q99) if x is not None}
     if len(dims) != 1:
-        raise CheckpointError(f"{d.file}: {d.where}mean, std, q01, q99 have different lengths {sorted(dims)}")
+        raise CheckpointError(f"{d.file}: {d.where.rstrip('.')} has fields of different lengths {sorted(dims)}")
     if np.any(s.std < 0):
         raise d.error("std", "has negative values")
     if s.q01 is not None and s.q99 is not None and np.any(s.q99 < s.q01):

@@ -336,7 +336,8 @@ def start_for_bringup(engine, args) -> list:
             ns = argparse.Namespace(host=args.openpi_host, port=args.openpi_port, api_key_file=args.openpi_api_key_file,
                                     max_clients=args.openpi_max_clients, max_message_mb=d.max_message_bytes / 2**20,
                                     default_prompt=None, reply_timeout=d.reply_timeout_s, serial=False)
-            servers.append(openpi_server(engine, LAYOUTS[args.robot], server_options(ns, "--openpi-api-key-file")).start())
+            options = server_options(ns, "--openpi-api-key-file")
+            servers.append(openpi_server(engine, LAYOUTS[args.robot], options).start())
             print(f"oxygen_bringup: openpi clients on ws://{args.openpi_host}:{servers[-1].port} ({args.robot} keys)",
                   flush=True)
         if args.lerobot_port is not None:

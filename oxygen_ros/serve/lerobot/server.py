@@ -147,7 +147,7 @@ class LeRobotServer(services_pb2_grpc.AsyncInferenceServicer):
         self._count = itertools.count()
         self._decoder = OneDecoder("oxygen-lerobot-decode")
         self._stop = threading.Event()
-        self._served = collections.deque(maxlen=100_000)   # (when, observation -> chunk seconds) per chunk fetched
+        self._served = collections.deque(maxlen=100_000)   # (robot, when, observation -> chunk s) per chunk fetched
         self._grpc: grpc.Server | None = None
         self._reaper: threading.Thread | None = None
         engine.add_frame_listener(self._on_frame)
@@ -191,14 +191,19 @@ class LeRobotServer(services_pb2_grpc.AsyncInferenceServicer):
         return f"LeRobot clients {len(self._clients)}/{self.options.max_clients}, {len(self._served)} chunks served"
 
     def served_summary(self) -> dict:
-        """The chunks fetched so far: how many, at what rate (first to last), and their latency from the
-        observation's arrival to the chunk's reply (decode, the engine's queue and cycle, the reply)."""
+        """The chunks fetched so far: how many, the rate at which a client got them (per client session:
+        chunks after its first over the time to its last; the mean over sessions), and their latency from
+        the observation's arrival to the chunk's reply (decode, the engine's queue and cycle, the reply)."""
         served = list(self._served)
         if not served:
             return {"chunks": 0}
-        when, latency = np.array([w for w, _ in served]), 1e3 * np.array([s for _, s in served])
-        span = when[-1] - when[0]
-        return {"chunks": len(served), "chunks_per_s": (len(served) - 1) / span if span > 0 else None,
+        sessions = collections.defaultdict(list)
+        for robot, when, _ in served:
+            sessions[robot].append(when)
+        rates = [(len(t) - 1) / (t[-1] - t[0]) for t in sessions.values() if len(t) > 1 and t[-1] > t[0]]
+        latency = 1e3 * np.array([s for _, _, s in served])
+        return {"chunks": len(served), "sessions": len(sessions),
+                "chunks_per_s_per_client": float(np.mean(rates)) if rates else None,
                 "latency_ms": {"p50": float(np.percentile(latency, 50)), "p90": float(np.percentile(latency, 90)),
                                "max": float(latency.max())}}
 
@@ -306,7 +311,7 @@ class LeRobotServer(services_pb2_grpc.AsyncInferenceServicer):
             return services_pb2.Actions()       # nothing yet: the client asks again (LeRobot's behaviour)
         reply = services_pb2.Actions(data=encode(chunk))
         now = time.monotonic()
-        self._served.append((now, now - answered.received))
+        self._served.append((client.robot, now, now - answered.received))
         return reply
 
     # ------------------------------------------------------------------ helpers (gRPC threads)
