@@ -31,11 +31,11 @@ REPO = Path(__file__).resolve().parents[1]
 PYTHONS = ("3.10", "3.11", "3.12")
 SMOKE_PYTHON = "3.10"     # the one Python with its own pins (requirements-python.txt) and Ubuntu 22.04's (Humble)
 # The tests that import no torch: robot I/O, parameter descriptors, the console's request checks, sessions,
-# progress, the simulated robot (MuJoCo), the interface package through rclpy, the docs' links.
+# progress, the simulated robot (MuJoCo), the interface package through rclpy.
 SMOKE_TESTS = ["test_robot_chunks.py", "test_robot_images.py", "test_robot_limits_ee.py", "test_robot_stamps.py",
                "test_robot_state_text.py", "test_robot_sync.py", "test_robot_watch_rate.py", "test_params.py",
                "test_console_guard.py", "test_sessions.py", "test_progress.py", "test_sim_robot.py",
-               "test_interfaces.py", "test_docs_links.py"]
+               "test_interfaces.py"]
 SMOKE_NEEDS_TORCH = [  # in those files, the tests that start the engine node (it imports torch)
     "test_params.py::test_ros2_param_describe_shows_the_bounds",
     "test_console_guard.py::test_the_safe_stop_is_cleared_deliberately_and_output_stays_off"]

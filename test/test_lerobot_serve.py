@@ -295,6 +295,8 @@ def test_hostile_payloads_get_an_error_status_while_another_client_is_served(tmp
         thread = threading.Thread(target=drive)
         thread.start()
         try:
+            # Served before the hostile payloads start (on a quiet machine they all take less than a first chunk).
+            assert _wait_for(lambda: chunks_seen, timeout=60.0), "the good client got no chunk"
             for name, (payload, code, words) in hostile_payloads(np.random.default_rng(3), marker).items():
                 got, text = status_of(lambda: bad.send(payload))
                 assert (name, got.name) == (name, code), text

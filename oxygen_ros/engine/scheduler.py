@@ -45,6 +45,9 @@ from .stats import EngineStats
 log = logging.getLogger("oxygen_ros.engine")
 
 KINDS = ("conversation", "memory")
+# Kept free before a cycle's deadline when its prefill is planned: the fitted coefficients carry rounding
+# error (~1e-16 s a token), and a plan that fills the time exactly must not end a femtosecond late.
+PLAN_MARGIN_S = 1e-6
 
 
 class ForwardCost:
@@ -159,7 +162,7 @@ class LanguageBudget:
         `chunk_tokens` (or what is left)."""
         budget = self.chunk_tokens
         if self.mode == "deadline":
-            budget = max(budget, self._fit(deadline - now, decode_batch, remaining))
+            budget = max(budget, self._fit(deadline - now - PLAN_MARGIN_S, decode_batch, remaining))
         counts = []
         for n in remaining:
             take = min(n, budget)
