@@ -202,9 +202,12 @@ class RobotNodes:
         # shows them; the streaming action's under <ns>/oxygen/converse_stream/_action/): the debug picture
         # shows the latest reply, the recorder stores them.
         from rclpy.qos import QoSProfile
-        from rclpy.service_introspection import ServiceIntrospectionState
-
-        self.conversation.configure_introspection(QoSProfile(depth=100), ServiceIntrospectionState.CONTENTS)
+        try:
+            from rclpy.service_introspection import ServiceIntrospectionState
+        except ImportError:     # ROS 2 Humble has no service introspection: replies are then not recorded
+            ServiceIntrospectionState = None
+        if ServiceIntrospectionState is not None:
+            self.conversation.configure_introspection(QoSProfile(depth=100), ServiceIntrospectionState.CONTENTS)
         self.action.enabled = self.action.active = False         # until the engine node is activated
         self.conversation.active = False
         return [(executors.inputs, self.observation), (executors.actions, self.action),

@@ -88,7 +88,7 @@ class Console:
 @pytest.fixture(scope="module")
 def console(tmp_path_factory):
     assert shutil.which("chromium") and shutil.which("chromedriver"), \
-        "needs Debian's chromium and chromium-driver (scripts/setup.sh installs them as root)"
+        "needs Debian's chromium and chromium-driver (scripts/test.sh installs them as root)"
     port = free_port()
     domain = private_domain(41)
     params = tmp_path_factory.mktemp("params") / "console.yaml"
