@@ -213,3 +213,86 @@ def test_any_mix_of_questions_finishes_over_the_openpi_socket(seed):
     assert all(r["finish_reason"] in ("eos", "length") for r in out), [r["finish_reason"] for r in out]
     if seed == 0:
         assert out[0]["finish_reason"] == "length" and out[0]["tokens"] == engine.config.max_tokens_limit
+
+
+# ------------------------------------------------------------------------- no frame after the question
+def test_a_question_asked_after_the_last_frame_is_answered_about_it_without_a_chunk(engine_factory, obs):
+    """The camera paused (or the client waits for its reply) before the questions were asked: no frame ever
+    comes again. After a camera interval without one, the robot's last frame is prefilled again and the
+    questions are admitted onto it (a batch of 2: the others wait on it, held) and answered, each by EOS or
+    its length, about that frame; no chunk comes of it (not a new observation); it counts as re-used, not as
+    a frame, a chunk or a dropped observation. The engine loop waits a frame period between cycles that run
+    nothing: so does the simulated clock here."""
+    clock = SimClock()
+    engine = engine_factory(clock=clock, max_active_requests=2, ignore_eos=True, decode_budget="fixed",
+                            tokens_per_frame=2)
+    simulate_costs(engine, clock)
+    chunks = []
+    engine.add_chunk_listener(chunks.append)
+    for i in range(3):
+        engine.run_cycle(obs(i))
+    last = engine.latest_chunk()
+    handles = [engine.submit(TextRequest("what is on the table?", max_tokens=5, timeout_s=300.0))
+               for _ in range(5)]
+    before = engine.stats.snapshot()
+    cycles = 0
+    while not all(h.done() for h in handles):
+        assert cycles < 40, f"{sum(not h.done() for h in handles)} of 5 questions still open after {cycles} cycles"
+        report = engine.run_cycle()
+        assert report.chunks == 0 and not report.robots
+        if not report.tokens:
+            clock.advance(engine.frame_period)
+        cycles += 1
+    replies = [h.result(0) for h in handles]
+    assert all(r.success and r.finish_reason == "length" and len(r.tokens) == 5 for r in replies), replies
+    assert {r.frame_index for r in replies} == {2}              # the last frame, the one they are about
+    after = engine.stats.snapshot()
+    assert len(chunks) == 3 and engine.latest_chunk() is last
+    assert after["frames"] == before["frames"] == 3 and after["dropped_frames"] == before["dropped_frames"]
+    assert after["reused_frames"] == 1 and after["robots"][""]["reused_frames"] == 1   # then held, not re-made
+    assert engine.runner.pool.blocks.num_used == 0 and not engine.conversation.held
+
+
+def test_a_frame_is_not_reused_while_the_cameras_next_one_is_expected(engine_factory, obs):
+    """A live camera every 0.1 s: a question asked just after a frame waits for the next one (its answer is
+    about the newest observation, and a flood of questions costs no extra prefill) until its camera is a
+    quarter interval late; only then is the last frame re-used."""
+    clock = SimClock()
+    engine = engine_factory(clock=clock, ignore_eos=True, decode_budget="fixed", tokens_per_frame=1)
+    for i in range(4):
+        engine.submit_observation(obs(i))
+        engine.run_cycle()
+        clock.advance(0.1)
+    clock.advance(-0.1 + 0.01)                                  # 10 ms after the last frame arrived
+    handle = engine.submit(TextRequest("what is on the table?", max_tokens=3, timeout_s=300.0))
+    engine.run_cycle()
+    clock.advance(0.1)                                          # 110 ms: the next frame is late, not lost
+    engine.run_cycle()
+    assert engine.stats.counter("reused_frames") == 0 and engine.queued_requests == 1
+    clock.advance(0.02)                                         # 130 ms: over a quarter interval late
+    engine.run_cycle()
+    assert engine.stats.counter("reused_frames") == 1 and engine.queued_requests == 0
+    for _ in range(10):
+        engine.run_cycle()
+    assert handle.result(0).success and handle.result(0).frame_index == 3
+
+
+def test_a_question_for_a_robot_that_never_sent_a_frame_ends_with_a_clear_error(engine_factory, obs):
+    """Robot 'arm' joined but never sent a frame: its question ends with an error that says so once it has
+    waited FIRST_FRAME_WAIT_S, not at its timeout (300 s); the other robot's question is answered meanwhile."""
+    from oxygen_ros.engine.intake import FIRST_FRAME_WAIT_S
+
+    clock = SimClock()
+    engine = engine_factory(clock=clock, ignore_eos=True, decode_budget="fixed", tokens_per_frame=2)
+    engine.add_robot("arm", engine.preparer)
+    lost = engine.submit(TextRequest("what is on the table?", max_tokens=3, owner="arm", timeout_s=300.0))
+    seen = engine.submit(TextRequest("what is on the table?", max_tokens=3, owner="", timeout_s=300.0))
+    for i in range(int(FIRST_FRAME_WAIT_S / 0.1) + 2):
+        if lost.done():
+            break
+        engine.run_frames({"": obs(i)})
+        clock.advance(0.1)
+    reply = lost.result(0)
+    assert reply.finish_reason == "error" and "no frame yet from robot 'arm'" in reply.error, reply
+    assert reply.latency_s <= FIRST_FRAME_WAIT_S + 0.2
+    assert seen.result(0).success

@@ -15,7 +15,10 @@ Frame cycle (policy `oxygen`):
   5. [captions] ask for a scene caption of a delivered frame when one is due;
   6. [conversation] admit language requests onto their owner's frame and decode all running ones
      together while the cycle's budget lasts; a cycle without a frame stops at the next step boundary
-     when a new observation arrives;
+     when a new observation arrives. A robot with questions waiting, no frame held for them and no new
+     frame for over a camera interval gets its last delivered frame again (prefilled, no chunk: not a new
+     observation); a robot that never sent a usable frame has its questions refused after
+     FIRST_FRAME_WAIT_S (`_reuse`);
   7. release: the cycle's frame references are dropped on every path (a `with` block); finished requests
      drop theirs in `Scheduler.finish`.
 
@@ -39,7 +42,7 @@ from .capacity import Capacity, CapacityCheck
 from .config import POLICIES, EngineConfig
 from .cycle import CycleReport, Frame, Listeners
 from .frames import FramePreparer
-from .intake import Intake, Pending, PreparerThread
+from .intake import FIRST_FRAME_WAIT_S, Intake, Pending, PreparerThread
 from .model_runner import EngineFault, ModelRunner
 from .robots import EngineInfo, Robots
 from .requests import RequestHandle, TextRequest, refused
@@ -297,6 +300,8 @@ class Engine:
             self.stats.count_robot(robot, "deferred")
         with contextlib.ExitStack() as cycle:       # the cycle's frame references, released on every path
             frames = self._frames(due, report, cycle) if due and not self.faulted else []
+            if self.scheduler.waiting and not self.faulted:
+                frames += self._reuse({f.robot for f in frames}, cycle)
             if frames or self.scheduler.has_work or self.conversation.held:
                 # Language ends by the chunk deadline (a cycle without a frame: a frame period from its start),
                 # and by the next camera frame expected (actions first).
@@ -338,9 +343,52 @@ class Engine:
         self._consecutive_faults = 0       # a cycle that delivers a chunk ends a run of faults
         for f, chunk in chunks:
             self.actions.deliver(f, chunk)
+            self._intake.keep(f, report.start)
             self.captions_task.after_chunk(f, self.clock())
         report.chunks = len(chunks)
         return [f for f, _ in chunks]
+
+    def _reuse(self, framed: set[str], cycle: contextlib.ExitStack) -> list[Frame]:
+        """Questions must not wait for a frame that may never come (a paused camera; a client that waits for
+        its reply before it sends its next observation). For each robot with questions waiting, no frame
+        this cycle and none held for them (ConversationTask._hold), and no newer frame on its way: its last
+        delivered frame again, prefilled in one forward (held by the cycle; the conversation then admits onto
+        it and holds it while they wait). No chunk comes of it: it is not a new observation, and a chunk
+        planned from an old state must not reach the robot. Only while the pool keeps the next cycle's
+        reserve beside it. A robot that never delivered a frame: its questions waiting longer than
+        FIRST_FRAME_WAIT_S end with an error at once instead of at their timeout."""
+        now, blocks = self.clock(), self.runner.pool.blocks
+        reused: list[Frame] = []
+        for robot in sorted(self.scheduler.waiting_owners() - framed - set(self.conversation.held)):
+            if (info := self._robots.infos.get(robot)) is None:
+                continue
+            if self._intake.never_framed(robot):
+                self._refuse_frameless(robot, now)
+            elif (frame := self._intake.reusable(robot, now, info.chunk_period_s)) is not None and \
+                    blocks.num_free >= self.scheduler.reserve_blocks + (len(reused) + 1) * self._robots.prefix_blocks:
+                reused.append(frame)
+        if not reused:
+            return []
+        faults: list[tuple[Frame, str]] = []
+        try:
+            reused = self._prefill(reused, faults, cycle)
+        except Exception as e:  # noqa: BLE001 - as a frame's prefill: the robots' questions wait on, nothing else
+            faults = [(f, f"{type(e).__name__}: {e}") for f in reused]
+            reused = []
+        for f, message in faults:
+            self.stats.count("faults")
+            self.stats.note_error(f"re-used frame {f.index}{_of(f.robot)}: {message}")
+            log.error("re-used frame %d%s: %s", f.index, _of(f.robot), message)
+        for f in reused:
+            self.stats.count("reused_frames")
+            self.stats.count_robot(f.robot, "reused_frames")
+        return reused
+
+    def _refuse_frameless(self, robot: str, now: float) -> None:
+        late = [seq for seq in list(self.scheduler.waiting)
+                if seq.request.owner == robot and now - seq.handle.submitted_at > FIRST_FRAME_WAIT_S]
+        whose = f"robot {robot!r}" if robot else "the robot"
+        self.scheduler.fail(late, f"no frame yet from {whose} after {FIRST_FRAME_WAIT_S:g} s: nothing to answer about")
 
     def _prefill(self, frames: list[Frame], faults: list, cycle: contextlib.ExitStack) -> list[Frame]:
         """The frames' prefixes in ONE forward: each good frame gets its `cache` (held by the cycle)."""

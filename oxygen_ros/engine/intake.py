@@ -16,6 +16,10 @@ prepared one was consumed), and no earlier than `not_before`, which the engine s
 start to the predicted end of that cycle minus the predicted conversion time: the frame a cycle takes is
 then as fresh as the conversion allows, not a cycle old. Between cycles (`not_before` = now) it converts
 at once.
+
+Per robot, it also keeps the newest frame whose chunk was delivered (its prepared inputs, small; `keep`): a
+question asked after a robot's last frame (a paused camera, or a client that waits for its reply before it
+sends its next observation) is answered about that frame when no newer one comes (`reusable`).
 """
 from __future__ import annotations
 
@@ -29,11 +33,14 @@ import numpy as np
 
 from oxygen_ros.robot.errors import InputError
 
+from .cycle import Frame
 from .frames import FramePreparer, PreparedFrame
 
 log = logging.getLogger("oxygen_ros.engine")
 
 LATE_FRACTION = 0.25      # of a camera's interval: how late its next frame may be and still be expected now
+FIRST_FRAME_WAIT_S = 2.0  # how long a question may wait for a robot that never sent a usable frame: longer
+                          # than any first frame's way in (a 4K conversion: 0.2 s; a robot deferred a few cycles)
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,7 @@ class Intake:
         self.ready: dict[str, Pending | None] = dict.fromkeys(robots)
         self.dropped: dict[str, int] = dict.fromkeys(robots, 0)
         self._arrivals: dict[str, tuple[float, float | None]] = {}   # robot -> (last arrival, mean interval)
+        self._kept: dict[str, tuple[Frame, float]] = {}    # robot -> (its newest delivered frame, when used)
 
     def add_robot(self, robot: str) -> None:
         with self.cv:
@@ -67,7 +75,7 @@ class Intake:
         """Forget a robot and whatever it had pending (a preparation in flight for it is discarded)."""
         with self.cv:
             self.robots = tuple(r for r in self.robots if r != robot)
-            for slots in (self.raw, self.ready, self.dropped, self._arrivals):
+            for slots in (self.raw, self.ready, self.dropped, self._arrivals, self._kept):
                 slots.pop(robot, None)
 
     def put(self, robot: str, item: Pending, arrived: float | None = None) -> None:
@@ -94,6 +102,30 @@ class Intake:
             expected = [last + interval for last, interval in self._arrivals.values()
                         if interval is not None and now <= last + (1 + LATE_FRACTION) * interval]
         return max(now, min(expected)) if expected else None
+
+    def keep(self, frame: Frame, used: float) -> None:
+        """A frame whose chunk was delivered (engine clock `used`): its inputs, without its KV, for `reusable`."""
+        with self.cv:
+            if frame.robot in self.raw:             # else the robot was removed meanwhile
+                self._kept[frame.robot] = (replace(frame, cache=None), used)
+
+    def reusable(self, robot: str, now: float, period: float) -> Frame | None:
+        """The robot's newest delivered frame (without KV), when no newer one is on its way: none pending
+        and none arrived or used for LATE_FRACTION past one camera interval (`period`, the robot's chunk
+        period, while its camera has no rhythm). None otherwise, or when it never had one."""
+        with self.cv:
+            if robot not in self._kept or self.raw.get(robot) is not None or self.ready.get(robot) is not None:
+                return None
+            frame, used = self._kept[robot]
+            last, interval = self._arrivals.get(robot, (None, None))
+            latest = used if last is None else max(used, last)
+            due = now >= latest + (1 + LATE_FRACTION) * (interval or period)
+            return replace(frame) if due else None         # a copy: the cycle gives it its own KV
+
+    def never_framed(self, robot: str) -> bool:
+        """No frame of this robot was ever delivered, and none is waiting for a cycle."""
+        with self.cv:
+            return robot not in self._kept and self.raw.get(robot) is None and self.ready.get(robot) is None
 
     def put_ready(self, robot: str, item: Pending) -> None:
         with self.cv:

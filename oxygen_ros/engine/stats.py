@@ -125,6 +125,7 @@ class EngineStats:
         mean_frame = float(frame_s.mean()) if len(frame_s) else 0.0
         return {
             "frames": counters.get("frames", 0),
+            "reused_frames": counters.get("reused_frames", 0),     # prefilled again for questions, no chunk
             "frame_ms_mean": ms(frame_s), "frame_ms_p50": ms(frame_s, 50), "frame_ms_p99": ms(frame_s, 99),
             "prefill_ms_mean": ms([c.prefill_s for c in frames]),
             "action_ms_mean": ms([c.action_s for c in frames]),
@@ -151,6 +152,7 @@ class EngineStats:
                            "deadline_misses": c.get("deadline_misses", 0), "chunks_per_s": rates[r],
                            "chunk_ms_mean": ms(chunk_s[r]), "chunk_ms_p99": ms(chunk_s[r], 99),
                            "dropped_observations": dropped[r], "deferred": c.get("deferred", 0),
-                           "bad_observations": c.get("bad_observations", 0), "faults": c.get("faults", 0)}
+                           "bad_observations": c.get("bad_observations", 0), "faults": c.get("faults", 0),
+                           "reused_frames": c.get("reused_frames", 0)}
                        for r, c in robots.items()},
         }

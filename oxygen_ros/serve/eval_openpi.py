@@ -7,7 +7,9 @@ control ticks and its rows are executed one per tick. The episodes are the in-pr
 seed: same scenes, starts, named cubes; eval.py `evaluate`), success judged by the simulator (the tip within
 the touch radius of the named cube within `steps` ticks). At each episode's start the scene questions of the
 in-process evaluation are asked on the same socket (an unmodified `infer` of {observation, "question"}) and
-judged as the demo client judges replies (stripped text == the simulator's answer).
+judged as the demo client judges replies (stripped text == the simulator's answer); a question the server
+answers with an error (its timeout, a refusal) got no reply: it is counted as unanswered, not as wrong, and the
+accuracy is over the questions replied to (as eval.py's).
 """
 from __future__ import annotations
 
@@ -82,12 +84,18 @@ class SceneQuestions(_subscriber.Subscriber):
 
     def __init__(self, policy: WebsocketClientPolicy, env: ReachEpisodes, log):
         self.policy, self.env, self.log = policy, env, log
-        self.answers: list[tuple] = []        # (question, reply text)
+        self.answers: list[tuple] = []        # (question, reply text or None: no reply)
+        self.unanswered: list[dict] = []      # the questions without a reply, with the server's error
 
     def on_episode_start(self) -> None:
         observation = self.env.get_observation()
         for q in self.env.questions:
-            reply = self.policy.infer({**observation, "question": q.text, "max_tokens": QUESTION_TOKENS})
+            try:
+                reply = self.policy.infer({**observation, "question": q.text, "max_tokens": QUESTION_TOKENS})
+            except RuntimeError as e:          # openpi-client's form of the server's error text
+                self.answers.append((q, None))
+                self.unanswered.append({"question": q.text, "error": str(e).strip()})
+                continue
             self.answers.append((q, reply["text"].strip()))
 
     def on_step(self, observation: dict, action: dict) -> None:
@@ -95,9 +103,11 @@ class SceneQuestions(_subscriber.Subscriber):
 
     def on_episode_end(self) -> None:
         o = self.env.outcomes[-1]
-        right = sum(q.answer == r for q, r in self.answers[-len(self.env.questions):])
+        last = self.answers[-len(self.env.questions):] if self.env.questions else []
+        missing = sum(r is None for _, r in last)
         self.log(f"[eval --openpi] episode {o['episode'] + 1}/{self.env.episodes}: {o['prompt']!r} "
-                 f"{'ok' if o['success'] else 'FAIL'} answers {right}/{len(self.env.questions)}")
+                 f"{'ok' if o['success'] else 'FAIL'} answers {sum(q.answer == r for q, r in last)}/{len(last)}"
+                 + (f" ({missing} unanswered)" if missing else ""))
 
 
 class TimedPolicy:
@@ -168,9 +178,8 @@ def evaluate_openpi(episodes: int, seed: int = 1000, steps: int = 210, replan: i
         env.scene.close()
         if params:
             Path(params).unlink(missing_ok=True)
-    outcomes, answers = env.outcomes, asker.answers
+    outcomes = env.outcomes
     ok = [o["steps"] for o in outcomes if o["success"]]
-    kinds = sorted({q.kind for q, _ in answers})
     infer_ms = 1e3 * np.array(timed.infer_s)
     return {
         "path": "openpi", "episodes": episodes, "seed": seed, "steps": steps, "replan": replan, "control_hz": 70,
@@ -178,11 +187,7 @@ def evaluate_openpi(episodes: int, seed: int = 1000, steps: int = 210, replan: i
         "mean_steps_to_touch": float(np.mean(ok)) if ok else None,
         "touched_other_first": float(np.mean([o["touched_other_first"] for o in outcomes])),
         "failures_final_distance_cm": sorted(o["final_distance_cm"] for o in outcomes if not o["success"]),
-        "answer_accuracy": float(np.mean([q.answer == r for q, r in answers])) if answers else None,
-        "answer_accuracy_by_kind": {k: float(np.mean([q.answer == r for q, r in answers if q.kind == k]))
-                                    for k in kinds},
-        "wrong_answers": [{"question": q.text, "answer": q.answer, "reply": r} for q, r in answers
-                          if q.answer != r][:20],
+        **answer_summary(asker.answers, asker.unanswered),
         "chunks": len(infer_ms),
         "client_infer_ms": {"p50": float(np.percentile(infer_ms, 50)), "p99": float(np.percentile(infer_ms, 99))}
         if len(infer_ms) else None,
@@ -190,4 +195,21 @@ def evaluate_openpi(episodes: int, seed: int = 1000, steps: int = 210, replan: i
         "wall_s": round(time.monotonic() - start, 1),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, engine 1 torch thread",
         "load_avg_1min": {"start": load, "end": os.getloadavg()[0]},
+    }
+
+
+def answer_summary(answers: list[tuple], unanswered: list[dict]) -> dict:
+    """Accuracy over the questions replied to ((question, reply text) pairs; None: no reply); the questions
+    without a reply are counted apart (a timeout or a refusal is not a wrong answer)."""
+    replied = [(q, r) for q, r in answers if r is not None]
+    kinds = sorted({q.kind for q, _ in replied})
+    return {
+        "answer_accuracy": float(np.mean([q.answer == r for q, r in replied])) if replied else None,
+        "answer_accuracy_by_kind": {k: float(np.mean([q.answer == r for q, r in replied if q.kind == k]))
+                                    for k in kinds},
+        "questions_asked": len(answers),
+        "questions_unanswered": len(unanswered),
+        "unanswered": unanswered[:20],
+        "wrong_answers": [{"question": q.text, "answer": q.answer, "reply": r} for q, r in replied
+                          if q.answer != r][:20],
     }
