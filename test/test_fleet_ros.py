@@ -198,7 +198,7 @@ def test_robots_sharing_only_an_output_topic_are_refused(tmp_path):
 def test_robots_given_as_one_name_is_refused(tmp_path):
     params = write(tmp_path / "fleet.yaml", "oxygen_engine:\n  ros__parameters:\n    model: tiny\n    robots: arm_a\n")
     r = bringup("--params-file", str(params))
-    assert r.returncode == 2 and "robots = 'arm_a': a list of robot names, e.g. [arm_a]" in r.stderr, r.stderr
+    assert r.returncode == 2 and "fleet.yaml:4: oxygen_engine.robots = 'arm_a': must be a list of strings, e.g. [arm_a]" in r.stderr, r.stderr
 
 
 def test_a_robot_config_and_a_fleet_together_are_refused():

@@ -16,6 +16,7 @@ import pickle
 import sys
 import tracemalloc
 import types
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -218,7 +219,8 @@ def test_numpy_state_bomb_allocates_nothing(lerobot_classes):
 
 def test_tensor_view_bomb_allocates_nothing(lerobot_classes):
     """A 1-element storage viewed as 10^10 elements (stride 0): cloning it would allocate 40 GB."""
-    with pytest.warns(UserWarning, match="TypedStorage"):
+    with warnings.catch_warnings():      # TypedStorage's deprecation warning: torch warns once per process
+        warnings.simplefilter("ignore", UserWarning)
         one = torch.ones(1).storage()
     bomb = _Reduce(torch._utils._rebuild_tensor_v2, (one, 0, (10**10,), (0,), False, collections.OrderedDict()))
     e = refusal(inside(lerobot_classes, bomb))
