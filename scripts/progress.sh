@@ -15,7 +15,7 @@ say() {
 
 # The last line of a step's log that says what it is doing (pip, cmake, ninja), at most 110 characters.
 doing() {
-  grep -aE '^ *(Collecting|Downloading|Installing|Building|Preparing|Uninstalling|Attempting|WARNING: Retrying)|^ *\[ *[0-9]+(%|/[0-9]+)\]|cmake (configure|build|install)' "$1" 2>/dev/null \
+  grep -aE '^ *(Collecting|Downloading|Installing|Building|Preparing|WARNING: Retrying)|^ *\[ *[0-9]+(%|/[0-9]+)\]|cmake (configure|build|install)' "$1" 2>/dev/null \
     | tail -1 | sed -E 's/^ +//; s/^Installing collected packages: (.*)/unpacking the \1/' \
     | awk '/^unpacking the / { n = split(substr($0, 15), a, ", ");
                                print "unpacking " (n == 1 ? a[1] : n " packages") " into .venv"; next } { print }' \
