@@ -385,10 +385,9 @@ class Engine:
         return reused
 
     def _refuse_frameless(self, robot: str, now: float) -> None:
-        late = [seq for seq in list(self.scheduler.waiting)
-                if seq.request.owner == robot and now - seq.handle.submitted_at > FIRST_FRAME_WAIT_S]
         whose = f"robot {robot!r}" if robot else "the robot"
-        self.scheduler.fail(late, f"no frame yet from {whose} after {FIRST_FRAME_WAIT_S:g} s: nothing to answer about")
+        self.scheduler.fail_waiting(robot, now - FIRST_FRAME_WAIT_S,
+                                    f"no frame yet from {whose} after {FIRST_FRAME_WAIT_S:g} s: nothing to answer about")
 
     def _prefill(self, frames: list[Frame], faults: list, cycle: contextlib.ExitStack) -> list[Frame]:
         """The frames' prefixes in ONE forward: each good frame gets its `cache` (held by the cycle)."""

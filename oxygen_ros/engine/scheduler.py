@@ -509,6 +509,12 @@ class Scheduler:
         for seq in list(seqs):
             self.finish(seq, "error", message)
 
+    def fail_waiting(self, owner: str, submitted_before: float, message: str) -> None:
+        """End this owner's waiting requests submitted before `submitted_before` with `message`."""
+        with self._lock:
+            late = [s for s in self.waiting if s.request.owner == owner and s.handle.submitted_at < submitted_before]
+        self.fail(late, message)
+
     def fail_all(self, message: str) -> None:
         with self._lock:
             waiting = list(self.waiting)

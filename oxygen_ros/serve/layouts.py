@@ -29,6 +29,19 @@ from oxygen_ros.robot.text import validate_text
 MAX_PROMPT_CHARS = 2000
 
 
+
+def checked_prompt(prompt, what: str, problems: list[str], missing: str):
+    """The prompt a client sent (or the server's default), validated; a problem listed instead when it is
+    missing or bad (the caller raises once, with every problem of the observation)."""
+    if prompt is None:
+        problems.append(missing)
+        return None
+    try:
+        return validate_text(prompt, what=what, max_chars=MAX_PROMPT_CHARS)
+    except InputError as e:
+        problems.append(str(e))
+        return prompt
+
 @dataclass(frozen=True)
 class Camera:
     path: tuple[str, ...]      # where the image is in the message: ("observation/image",), ("images", "cam_high")
@@ -97,14 +110,8 @@ class Layout:
                 parts.append(parse_state(message.get(part.key), part))
             except InputError as e:
                 problems.append(str(e))
-        prompt = message.get("prompt", default_prompt)
-        if prompt is None:
-            problems.append("missing prompt (openpi's 'prompt' key; or start the server with --default-prompt)")
-        else:
-            try:
-                prompt = validate_text(prompt, what="prompt", max_chars=MAX_PROMPT_CHARS)
-            except InputError as e:
-                problems.append(str(e))
+        prompt = checked_prompt(message.get("prompt", default_prompt), "prompt", problems,
+                                "missing prompt (openpi's 'prompt' key; or start the server with --default-prompt)")
         if problems:
             raise InputError(f"bad {self.name} observation: " + "; ".join(problems))
         return Observation(stamp_s=stamp, images=dict(images), image_masks={s: True for s in images},
@@ -296,14 +303,8 @@ class LeRobotLayout:
                 continue
             images[camera.slot] = np.ascontiguousarray(value)
         task = raw.get("task")
-        prompt = task if isinstance(task, str) and task.strip() else prompt_default
-        if prompt is None:
-            problems.append("no task (robot_client's --task) and no default prompt (oxygen_serve --default-prompt)")
-        else:
-            try:
-                prompt = validate_text(prompt, what="task", max_chars=MAX_PROMPT_CHARS)
-            except InputError as e:
-                problems.append(str(e))
+        prompt = checked_prompt(task if isinstance(task, str) and task.strip() else prompt_default, "task", problems,
+                                "no task (robot_client's --task) and no default prompt (oxygen_serve --default-prompt)")
         if problems:
             raise InputError(f"bad {self.name} observation: " + "; ".join(problems))
         return Observation(stamp_s=stamp, images=images, image_masks={s: True for s in images},

@@ -22,6 +22,18 @@ from typing import Callable, TypeVar
 T = TypeVar("T")
 
 
+def listener_problems(port: int, max_clients: int, max_message_bytes: int) -> list[str]:
+    """What is wrong with a server's port, client count and message size (every protocol's server)."""
+    out = []
+    if not 0 <= port <= 65535:
+        out.append(f"port {port} must be in 0..65535")
+    if max_clients < 1:
+        out.append(f"max_clients {max_clients} must be at least 1")
+    if max_message_bytes < 1024:
+        out.append(f"max_message_bytes {max_message_bytes} must be at least 1024")
+    return out
+
+
 class SocketCap:
     """Open connections counted from accept to close; `try_open` refuses the one beyond `limit`."""
 

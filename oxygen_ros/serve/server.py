@@ -56,7 +56,7 @@ from oxygen_ros.robot.errors import InputError
 
 from .clients import ClientSlots, Computed, EngineHub, FrameFailed
 from .layouts import Layout
-from .limits import OneDecoder, PeerFailures, SocketCap
+from .limits import OneDecoder, PeerFailures, SocketCap, listener_problems
 from .protocol import ProtocolError, pack, unpack
 
 log = logging.getLogger("oxygen_ros.serve")
@@ -81,13 +81,7 @@ class ServeOptions:
     failed_handshakes_per_peer: int = 10     # in any 10 s; beyond, HTTP 429 without checking the key
 
     def problems(self) -> list[str]:
-        out = []
-        if not 0 <= self.port <= 65535:
-            out.append(f"port {self.port} must be in 0..65535")
-        if self.max_clients < 1:
-            out.append(f"max_clients {self.max_clients} must be at least 1")
-        if self.max_message_bytes < 1024:
-            out.append(f"max_message_bytes {self.max_message_bytes} must be at least 1024")
+        out = listener_problems(self.port, self.max_clients, self.max_message_bytes)
         if not self.reply_timeout_s > 0:
             out.append(f"reply_timeout_s {self.reply_timeout_s} must be positive")
         if self.max_handshakes < 1:

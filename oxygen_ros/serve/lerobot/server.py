@@ -37,7 +37,7 @@ from oxygen_ros.engine.engine import ChunkResult, Engine
 from oxygen_ros.engine.frames import FramePreparer
 from oxygen_ros.robot.errors import InputError
 from oxygen_ros.serve.layouts import LeRobotLayout
-from oxygen_ros.serve.limits import OneDecoder
+from oxygen_ros.serve.limits import OneDecoder, listener_problems
 
 from . import services_pb2, services_pb2_grpc
 from .wire import DecodeLimits, Refused, RemotePolicyConfig, TimedAction, TimedObservation, TooLarge, decode, encode
@@ -63,13 +63,7 @@ class LeRobotOptions:
     idle_timeout_s: float = 15.0         # a client without a call for this long is gone
 
     def problems(self) -> list[str]:
-        out = []
-        if not 0 <= self.port <= 65535:
-            out.append(f"port {self.port} must be in 0..65535")
-        if self.max_clients < 1:
-            out.append(f"max_clients {self.max_clients} must be at least 1")
-        if self.max_message_bytes < 1024:
-            out.append(f"max_message_bytes {self.max_message_bytes} must be at least 1024")
+        out = listener_problems(self.port, self.max_clients, self.max_message_bytes)
         if self.fps is not None and not self.fps > 0:
             out.append(f"fps {self.fps} must be positive")
         if not self.actions_wait_s > 0:
@@ -277,14 +271,14 @@ class LeRobotServer(services_pb2_grpc.AsyncInferenceServicer):
         sent = _Sent(obs, float(timed.timestamp), timed.timestep, time.monotonic())
         with client.changed:
             if client.gone:
-                raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "this session has ended: call Ready")
+                raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "this client was removed (idle, or replaced by a new Ready): call Ready")
             client.sent, client.failure = sent, None
         try:
             # Latest wins: it replaces the robot's observation not yet taken by the engine (must_go or not:
             # a newer observation of the same robot always serves it better).
             self.engine.submit_observation(obs, robot=client.robot)
         except ValueError as e:          # the robot was removed meanwhile (idle timeout, a new session)
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, f"this session has ended ({e}): call Ready")
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, f"this client was removed ({e}): call Ready")
         return services_pb2.Empty()
 
     @_rpc
