@@ -4,7 +4,7 @@ On a robot with a ROS 2 install, build this package with colcon as usual: colcon
 ament_cmake build type in package.xml and ignores this file.
 
 Without a ROS 2 install (ROS 2 from the PyPI ``ros-*`` wheels, see the project's
-docs/ros2-from-pip.md), ``pip install --no-build-isolation ./oxygen_interfaces`` (what
+docs/robots.md, "Installing"), ``pip install --no-build-isolation ./oxygen_interfaces`` (what
 scripts/build_interfaces.sh runs) does:
 
 1. cmake configure / build / install into a temporary prefix, finding ament_cmake, rosidl

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build and install the oxygen_interfaces ROS 2 interface package into the active venv
-# (ROS 2 from the PyPI ros-* wheels; see docs/ros2-from-pip.md). Idempotent: it rebuilds only when
+# (ROS 2 from the PyPI ros-* wheels; docs/robots.md, "Installing"). Idempotent: it rebuilds only when
 # `oxygen_interfaces` is not importable (with its C type support) or its sources changed since the
 # last install; otherwise it prints "oxygen_interfaces up to date" and returns quickly.
 #

@@ -145,11 +145,21 @@ def test_github_heading_slugs():
     assert github_slug("**Bold** and [a link](x.md)") == "bold-and-a-link"
 
 
-# The project speaks of itself, not of the machine it was built on: no absolute path of a build machine (a
-# user's checkout is anywhere: paths are relative, or placeholders like <repo>).
-BUILD_ENVIRONMENT = re.compile(r"(?<![\w.~-])/(?:work|root)/")
+# The project speaks of itself, not of the machine it was built on: no absolute path of the machine that
+# holds this checkout (the folder it lies in, the administrator's and users' homes; a user's checkout is
+# anywhere: paths are relative, or placeholders like <repo>). Derived from where the checkout lies, so that no
+# such path is written here either.
+def build_environment(checkout: Path = REPO) -> re.Pattern:
+    roots = ["root", r"home/[\w.-]+"]
+    if checkout.parent != Path(checkout.anchor):          # a checkout at the top of the file system: no folder
+        roots.append(re.escape(str(checkout.parent).strip("/")))
+    return re.compile(rf"(?<![\w.~-])/(?:{'|'.join(roots)})/")
+
+
+BUILD_ENVIRONMENT = build_environment()
 SCANNED = ("README.md", "ARCHITECTURE.md", "CHANGELOG.md", "docs/*.md", "docs/*.json", "scripts/*", "config/*",
-           "oxygen_ros/**/*.py", "oxygen_ros/**/*.html", "oxygen_ros/**/*.yaml", "kernels/**/*.py")
+           "oxygen_ros/**/*.py", "oxygen_ros/**/*.html", "oxygen_ros/**/*.yaml", "kernels/**/*.py",
+           "launch/*", "test/*.py")
 
 
 def build_paths(paths) -> list[str]:
@@ -176,12 +186,16 @@ def test_the_project_speaks_of_itself_not_of_its_build_environment():
 
 def test_the_environment_check_finds_build_paths(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("python3.12 -m venv /work/side/lerobot061\n"             # flagged: a build path
-                    "PYTHON=/root/.pyenv/versions/3.12.1/bin/python3.12\n"   # flagged
+    beside = REPO.parent / "side" / "lerobot061"              # a folder next to this checkout
+    home = Path("/", "home", "ci")                            # joined: this file is scanned too
+    page.write_text(f"python3.12 -m venv {beside}\n"                     # flagged: a build path
+                    f"PYTHON={home}/.pyenv/versions/3.12.1/bin/python3.12\n"   # flagged: a home
                     "python3.12 -m venv ../lerobot061 && ~/work/x /tmp/bag\n"  # relative, a home, a user's tmp
-                    "see docs/work/notes.md and https://example.org/work/\n")  # a relative path, a URL
+                    "see docs/work/notes.md and https://example.org/home/x/\n")  # a relative path, a URL
     found = build_paths([page])
     assert [f.split(":")[1] for f in found] == ["1", "2"], found
+    elsewhere = build_environment(Path("/srv/ci/checkout/oxygen_ros"))   # wherever the checkout lies
+    assert elsewhere.search(" /srv/ci/checkout/x") and not elsewhere.search(" /srv/other/x")
 
 
 def test_the_docs_index_lists_every_data_file_once():
@@ -190,3 +204,16 @@ def test_the_docs_index_lists_every_data_file_once():
     index = (REPO / "docs" / "README.md").read_text(encoding="utf-8")
     counts = {f.name: len(re.findall(rf"\]\({re.escape(f.name)}\)", index)) for f in (REPO / "docs").glob("*.json")}
     assert counts and {name: n for name, n in counts.items() if n != 1} == {}
+
+
+DOC_NAMED = re.compile(r"(?<![\w/.-])docs/[\w.-]+\.md")
+
+
+def test_every_page_the_code_and_scripts_name_exists():
+    """A comment or message naming docs/<page>.md sends its reader to that page: it must be in the project
+    (scripts/build_interfaces.sh named docs/ros2-from-pip.md, which never was)."""
+    files = sorted({f for pattern in ("scripts/*", "launch/*", "config/*", "oxygen_ros/**/*.py", "kernels/**/*.py",
+                                      "oxygen_interfaces/*.py", "setup.py") for f in REPO.glob(pattern) if f.is_file()})
+    missing = [f"{f.relative_to(REPO)}: {page}" for f in files for page in DOC_NAMED.findall(f.read_text(encoding="utf-8"))
+               if not (REPO / page).is_file()]
+    assert not missing, "pages named but not in the project:\n" + "\n".join(missing)
