@@ -1,0 +1,232 @@
+"""LeRobot pi052 ("PI0.5 v2", hierarchical language) prompt formats, masks and answer parsing.
+
+What a pi052 checkpoint was trained to read and write, following LeRobot's branch
+`codex/pi052-language-policy` at f2c8867 (`policies/pi052/text_processor_pi052.py`,
+`policies/pi052/inference/pi052_adapter.py`, `runtime/adapter.py`) and, for spatial answers, the same
+branch's earlier `pi052/inference/vqa.py` (d099ac91b). Pure Python: the engine tokenises the strings.
+
+- Turns are `"User: {content}\\n"` / `"Assistant: {content}\\n"` after BOS (added by the tokenizer call),
+  no system prompt, no chat template. A text request ends with `"Assistant:"` (no trailing space: the
+  first generated piece carries its own space).
+- Text kinds and their messages (`PI052PolicyAdapter.build_messages`): subtask `[user task]`; memory
+  `[user task, assistant "Previous memory: {m}"?, user "Completed subtask: {s}"?]`; interjection
+  `[user task, assistant "Previous plan:\\n{plan}"?, user text?]` (empty parts left out).
+- Actions, default recipe: `"User: {subtask}, State: {bins};\\n"` (task, memory and plan never reach it).
+  Joint recipe (`joint_subtask_conditioning`): `"User: {task}, State: {bins};\\n"` (bidirectional, the
+  subtask is also generated from it) then `"Assistant: {subtask}" EOS "\\n"`, causal, so the prompt does not
+  depend on the subtask. `joint_span_tokens` gives that span's ids as the branch's tokenizer call does.
+- Greedy decoding, at most 128 new tokens, stop at EOS; the FAST action-code ids are always masked, the
+  `<loc0000>`-`<loc1023>` ids (256000-257023) in all prose (`Pi052Format.masked_ranges`).
+- Interjection replies: the first `<say>...</say>` is speech, the rest the plan (`split_plan_and_say`).
+- Spatial answers (VQA recipe): `label <locY><locX>` (point) or `label <locY1><locX1><locY2><locX2>`
+  (box), `;` between items; `parse_loc_answer` reads them into [0, 1] image coordinates.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, Sequence
+
+Message = tuple[str, str]          # (role "user" | "assistant", content)
+
+ROLES = ("user", "assistant")
+GENERATION_PROMPT = "Assistant:"
+MAX_NEW_TOKENS = 128               # the branch's select_message default; no runtime caller changes it
+LOC_IDS = (256000, 257024)         # PaliGemma's reserved <loc0000>..<loc1023> ids
+FAST_ACTION_VOCAB_SIZE = 1024      # modeling_pi052._FAST_ACTION_VOCAB_SIZE at f2c8867
+DEFAULT_FAST_SKIP_TOKENS = 1152    # PI052Config.fast_skip_tokens at f2c8867 (128 before 2026-07-19)
+
+
+def subtask_messages(task: str) -> list[Message]:
+    """The subtask request (also the branch's "plan" kind)."""
+    return [("user", task)]
+
+
+def memory_messages(task: str, memory: str, completed_subtask: str) -> list[Message]:
+    """The progress-memory request, made when the subtask changed (`completed_subtask` is the previous one)."""
+    messages = [("user", task)]
+    if memory:
+        messages.append(("assistant", f"Previous memory: {memory}"))
+    if completed_subtask:
+        messages.append(("user", f"Completed subtask: {completed_subtask}"))
+    return messages
+
+
+def interjection_messages(task: str, plan: str, text: str) -> list[Message]:
+    """The operator's interjection; the reply is a plan and a `<say>` speech (`split_plan_and_say`)."""
+    messages = [("user", task)]
+    if plan:
+        messages.append(("assistant", f"Previous plan:\n{plan}"))
+    if text:
+        messages.append(("user", text))
+    return messages
+
+
+def render(messages: Sequence[Message], generation_prompt: bool = True) -> str:
+    """The prompt text of `messages` (`_format_messages`), with `"Assistant:"` appended for a text request."""
+    parts = []
+    for role, content in messages:
+        if role not in ROLES:
+            raise ValueError(f"pi052 message role must be one of {ROLES}, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"pi052 message content must be a string, got {type(content).__name__}")
+        parts.append(f"{role.capitalize()}: {content}\n")
+    return "".join(parts) + (GENERATION_PROMPT if generation_prompt else "")
+
+
+def state_text(normalized_state: Any) -> str:
+    """The state as the prompt carries it (`discretize_state_str`): the normalised values, 256 bins over
+    [-1, 1], joined by spaces (not clipped: below -1 gives -1, as upstream)."""
+    import numpy as np  # numpy only where the state is formatted: the rest of the module is pure Python
+
+    values = np.asarray(normalized_state, dtype=np.float64).reshape(-1)
+    if not np.all(np.isfinite(values)):
+        raise ValueError("pi052 state must be finite (NaN or inf in the normalised state)")
+    bins = np.digitize(values, bins=np.linspace(-1, 1, 256 + 1)[:-1]) - 1
+    return " ".join(str(int(b)) for b in bins)
+
+
+def _with_state(content: str, state: str | None) -> str:
+    return content if state is None else f"{content}, State: {state};"
+
+
+def action_prompt(subtask: str, state: str | None) -> str:
+    """The default recipe's action prompt: `"User: {subtask}, State: {bins};\\n"` (no state: `"User: {subtask}\\n"`)."""
+    return render([("user", _with_state(subtask, state))], generation_prompt=False)
+
+
+def joint_prompt(task: str, state: str | None) -> str:
+    """The joint recipe's bidirectional prompt, `"User: {task}, State: {bins};\\n"`: the actions' prefix and,
+    followed by `"Assistant:"`, the subtask request."""
+    return render([("user", _with_state(task, state))], generation_prompt=False)
+
+
+def joint_subtask_span(subtask: str) -> str:
+    """The text of the joint recipe's causal span before its EOS: `"Assistant: {subtask}"`. The whole span
+    is this text, the EOS id, then `"\\n"` (`joint_span_tokens`)."""
+    return f"Assistant: {subtask}"
+
+
+class _Encoder(Protocol):
+    eos_id: int
+
+    def encode(self, text: str, bos: bool = False) -> list[int]: ...
+
+
+def joint_span_tokens(tokenizer: _Encoder, subtask: str) -> list[int]:
+    """The causal span's ids, `"Assistant: {subtask}" EOS "\\n"`, as the branch's tokenizer call gives them:
+    the `<eos>` string splits the text, each side is encoded on its own (checked against the branch's
+    `encode_prompt_with_targets` in test_pi052_reference)."""
+    return tokenizer.encode(joint_subtask_span(subtask)) + [tokenizer.eos_id] + tokenizer.encode("\n")
+
+
+def split_plan_and_say(text: str) -> tuple[str, str]:
+    """`(plan, speech)` of an interjection reply: the first `<say>...</say>` is the speech (stripped of spaces
+    and quotes), the rest, stripped, the plan (`runtime.adapter.split_plan_and_say`)."""
+    if not text:
+        return "", ""
+    match = _SAY.search(text)
+    if not match:
+        return text.strip(), ""
+    speech = match.group(1).strip().strip('"').strip("'")
+    return (text[:match.start()] + text[match.end():]).strip(), speech
+
+
+_SAY = re.compile(r"<\s*say\s*>(.*?)<\s*/\s*say\s*>", re.IGNORECASE | re.DOTALL)
+_LOC = re.compile(r"<loc(\d{1,4})>")
+
+
+@dataclass(frozen=True)
+class Located:
+    """One spatial answer item in [0, 1] image coordinates: a point (x, y) or a box (x1, y1, x2, y2)."""
+    label: str
+    kind: Literal["point", "box"]
+    xy: tuple[float, ...]
+
+
+def _loc_to_unit(index: int) -> float:
+    return max(0.0, min(1023.0, float(index))) / 1023.0
+
+
+def parse_loc_answer(text: str) -> list[Located]:
+    """The located items of a `<locNNNN>` answer, as the branch's parser reads them (vqa.parse_loc_answer):
+    `;`-separated items; the label is an item's text without its loc tokens (either order); two locs are a
+    point (y, x), four or more a box (y1, x1, y2, x2; further locs ignored), other counts nothing; each index
+    clamped to [0, 1023] and divided by 1023. When any box is present the points are dropped, as there.
+    The one difference is the form: where the branch returns several bare points as zero-area boxes, they
+    are returned here as points (the same coordinates). No `<loc` in the text: []."""
+    if not text or "<loc" not in text:
+        return []
+    points: list[Located] = []
+    boxes: list[Located] = []
+    for item in text.split(";"):
+        if "<loc" not in item:
+            continue
+        locs = [int(m) for m in _LOC.findall(item)]
+        label = _LOC.sub("", item).strip()
+        if len(locs) == 2:
+            y, x = (_loc_to_unit(v) for v in locs)
+            points.append(Located(label, "point", (x, y)))
+        elif len(locs) >= 4:
+            y1, x1, y2, x2 = (_loc_to_unit(v) for v in locs[:4])
+            boxes.append(Located(label, "box", (x1, y1, x2, y2)))
+    return boxes if boxes else points
+
+
+@dataclass(frozen=True)
+class Pi052Format:
+    """How a pi052 checkpoint is prompted and decoded (read from its config.json: `from_config`)."""
+    joint: bool                      # joint_subtask_conditioning: the joint recipe
+    fast_skip_tokens: int            # where the FAST action codes sit at the top of the text vocabulary
+    max_new_tokens: int = MAX_NEW_TOKENS
+    memory: bool = True              # progress memory trained (the recipe has a memory turn)
+
+    def __post_init__(self):
+        if not isinstance(self.fast_skip_tokens, int) or isinstance(self.fast_skip_tokens, bool) \
+                or self.fast_skip_tokens < 0:
+            raise ValueError(f"pi052 fast_skip_tokens must be a non-negative integer, got {self.fast_skip_tokens!r}")
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"pi052 max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+
+    def masked_ranges(self, vocab_size: int, allow_loc: bool) -> list[tuple[int, int]]:
+        """Half-open id ranges set to -inf before the argmax (`select_message`): the FAST action codes
+        `[V - fast_skip_tokens - 1024, 256000)` always (nothing when that start is not in (0, 256000), as
+        there), the <loc> ids `[256000, 257024)` unless `allow_loc`; clipped to the vocabulary."""
+        ranges = []
+        fast_lo = vocab_size - 1 - self.fast_skip_tokens - (FAST_ACTION_VOCAB_SIZE - 1)
+        if 0 < fast_lo < LOC_IDS[0]:
+            ranges.append((fast_lo, min(LOC_IDS[0], vocab_size)))
+        if not allow_loc and vocab_size > LOC_IDS[0]:
+            ranges.append((LOC_IDS[0], min(LOC_IDS[1], vocab_size)))
+        return ranges
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Pi052Format":
+        """The format of a pi052 checkpoint from its config.json (`type` "pi052"): `joint_subtask_conditioning`,
+        `fast_skip_tokens` (default 1152, the branch's), and whether its recipe trains progress memory
+        (`recipe_path` naming a `*_mem*` recipe, or an embedded `recipe` with a memory turn)."""
+        if not isinstance(config, dict):
+            raise ValueError(f"pi052 config must be a JSON object, got {type(config).__name__}")
+        if config.get("type", "pi052") != "pi052":
+            raise ValueError(f"not a pi052 config: type {config.get('type')!r}")
+        if config.get("memory_scratchpad"):
+            raise ValueError("pi052 config: memory_scratchpad checkpoints (one Memory/Subtask reply) are not "
+                             "supported")
+        joint = config.get("joint_subtask_conditioning", False)
+        if not isinstance(joint, bool):
+            raise ValueError(f"pi052 config: joint_subtask_conditioning must be true or false, got {joint!r}")
+        return cls(joint=joint, fast_skip_tokens=config.get("fast_skip_tokens", DEFAULT_FAST_SKIP_TOKENS),
+                   memory=_recipe_has_memory(config))
+
+
+def _recipe_has_memory(config: dict) -> bool:
+    recipe = config.get("recipe")
+    if isinstance(recipe, dict):
+        return "Previous memory" in str(recipe) or "memory_update" in str(recipe)
+    path = config.get("recipe_path", "recipes/subtask_mem.yaml")   # the branch's default recipe
+    if path is None:
+        return False
+    if not isinstance(path, str):
+        raise ValueError(f"pi052 config: recipe_path must be a string, got {path!r}")
+    return "_mem" in path.rsplit("/", 1)[-1]
