@@ -39,10 +39,10 @@ HASH="$(src_hash)"
 # Importable, and the C type support (lib*.so in <venv>/lib, extension modules) loads.
 importable() {
   "$PY" - <<'EOF' >/dev/null 2>&1
-from oxygen_interfaces.msg import ActionChunk, Caption
-from oxygen_interfaces.srv import Converse
+from oxygen_interfaces.msg import ActionChunk, Caption, LanguageUpdate, Located
+from oxygen_interfaces.srv import Converse, Interject
 from oxygen_interfaces.action import Converse as ConverseAction
-for t in (ActionChunk, Caption, Converse, ConverseAction):
+for t in (ActionChunk, Caption, LanguageUpdate, Located, Converse, Interject, ConverseAction):
     t.__class__.__import_type_support__()
 EOF
 }

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from oxygen_interfaces.action import Converse as ConverseAction
-from oxygen_interfaces.msg import ActionChunk, Caption
-from oxygen_interfaces.srv import Converse
+from oxygen_interfaces.msg import ActionChunk, Caption, LanguageUpdate, Located
+from oxygen_interfaces.srv import Converse, Interject
 
 CONVERSE_REQUEST = {
     "text": "string", "session_id": "string", "max_tokens": "uint32", "temperature": "float",
@@ -23,7 +23,7 @@ CONVERSE_REQUEST = {
 CONVERSE_RESPONSE = {
     "success": "boolean", "reply": "string", "error": "string", "tokens": "uint32",
     "frame_index": "uint64", "frame_stamp": "builtin_interfaces/Time", "queue_s": "double",
-    "latency_s": "double", "finish_reason": "string",
+    "latency_s": "double", "finish_reason": "string", "located": "sequence<oxygen_interfaces/Located>",
 }
 
 
@@ -32,9 +32,23 @@ def test_field_names_and_types():
         "header": "std_msgs/Header", "frame_index": "uint64", "horizon": "uint32", "dim": "uint32",
         "step_period_s": "double", "actions": "sequence<double>", "names": "sequence<string>",
         "compute_latency_s": "double", "rtc_delay_rows": "uint32", "model_actions": "sequence<float>",
+        "subtask": "string",
     }
     assert Caption.get_fields_and_field_types() == {
         "header": "std_msgs/Header", "frame_index": "uint64", "prompt": "string", "text": "string",
+    }
+    assert LanguageUpdate.get_fields_and_field_types() == {
+        "header": "std_msgs/Header", "robot": "string", "frame_index": "uint64", "text": "string",
+    }
+    assert Located.get_fields_and_field_types() == {
+        "label": "string", "kind": "string", "normalized": "sequence<double>", "pixels": "sequence<double>",
+        "camera": "string", "image_width": "uint32", "image_height": "uint32",
+    }
+    assert Interject.Request.get_fields_and_field_types() == {"text": "string", "robot": "string", "timeout_s": "float"}
+    assert Interject.Response.get_fields_and_field_types() == {
+        "success": "boolean", "plan": "string", "speech": "string", "reply": "string", "error": "string",
+        "frame_index": "uint64", "frame_stamp": "builtin_interfaces/Time", "latency_s": "double",
+        "finish_reason": "string",
     }
     assert Converse.Request.get_fields_and_field_types() == CONVERSE_REQUEST
     assert Converse.Response.get_fields_and_field_types() == CONVERSE_RESPONSE
