@@ -181,6 +181,7 @@ def main() -> int:
                 ok=True,
                 rate_hz=(len(window) - 1) / (window[-1] - window[0]) if len(window) > 1 else 0.0,
                 rate_window_s=window[-1] - window[0] if len(window) > 1 else 0.0,
+                max_gap_s=max((b - a_ for a_, b in zip(window, window[1:])), default=0.0),
                 actions_synced=len(synced), actions_finite=all(f for _, _, f in robot.actions),
                 skewed_actions_after_s=[round(t - skew_start, 3) for t, phase, _ in robot.actions if phase == "skewed"],
                 skewed_s=a.skewed_s,
