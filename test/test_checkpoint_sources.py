@@ -1,0 +1,401 @@
+"""Checkpoints named as their communities name them (model/download.py), without network: a hub id through
+huggingface_hub's own code against a hub API served on 127.0.0.1 (HF_ENDPOINT), a gs:// URL through fsspec
+against a local folder registered as the `gs` filesystem, and every refusal in one line."""
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import urllib.parse
+from pathlib import Path
+
+import fsspec
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.registry import _registry
+
+from oxygen_ros.model import download
+from oxygen_ros.model.config import GemmaConfig, Pi05Config, VisionConfig
+from oxygen_ros.model.download import (CheckpointName, is_remote, parse_name, progress_line, resolve_checkpoint)
+from oxygen_ros.model.files import CheckpointError
+
+DATA = Path(__file__).parent / "data"
+LEROBOT = DATA / "lerobot_model"       # a tiny LeRobot pi05 folder (model, config, processors, reference)
+LEROBOT_CONFIG = Pi05Config(
+    vlm=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16),
+    expert=GemmaConfig(width=32, depth=2, mlp_dim=64, num_heads=4, num_kv_heads=1, head_dim=16),
+    vision=VisionConfig(width=32, depth=1, mlp_dim=64, num_heads=2, image_size=56),
+    vocab_size=1000, action_dim=32, action_horizon=10, max_token_len=48, num_denoise_steps=10)
+COMMIT = "a" * 40
+OTHER_COMMIT = "b" * 40
+
+
+class FakeHub:
+    """The part of the hub's HTTP API huggingface_hub's snapshot_download and model_info use: repo info with
+    file metadata, the recursive tree, and files under /resolve/ (HEAD, GET, Range). Repos are folders;
+    `gated` answer 403 GatedRepo, unknown ones 404 RepoNotFound, unknown revisions 404 RevisionNotFound.
+    `damage` serves a file with other bytes than its listed hash (same size)."""
+
+    def __init__(self, repos: dict[str, Path], gated=(), damage=()):
+        self.repos, self.gated, self.damage = repos, set(gated), set(damage)
+        self.revisions = {"main": COMMIT, COMMIT: COMMIT, "v1": OTHER_COMMIT, OTHER_COMMIT: OTHER_COMMIT}
+        self.downloads: list[str] = []
+        hub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_HEAD(self):
+                hub.answer(self, body=False)
+
+            def do_GET(self):
+                hub.answer(self, body=True)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+    def files(self, repo: str) -> dict[str, Path]:
+        root = self.repos[repo]
+        return {str(p.relative_to(root)): p for p in sorted(root.rglob("*")) if p.is_file()}
+
+    def content(self, repo: str, name: str) -> bytes:
+        data = self.files(repo)[name].read_bytes()
+        if name in self.damage:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        return data
+
+    def entry(self, repo: str, name: str) -> dict:
+        data = self.files(repo)[name].read_bytes()         # the listing holds the true hash
+        return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                "blob": hashlib.sha1(data).hexdigest()}
+
+    def error(self, handler, status: int, code: str):
+        handler.send_response(status)
+        handler.send_header("X-Error-Code", code)
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+
+    def answer(self, handler, body: bool):
+        url = urllib.parse.urlparse(handler.path)
+        parts = url.path.strip("/").split("/")
+        api = parts[0] == "api"
+        if api:
+            parts = parts[2:]                        # api/models/<org>/<name>/...
+        repo = "/".join(parts[:2])
+        if api and len(parts) == 2:
+            parts += ["revision", "main"]            # the repo's info at its default branch
+        if repo in self.gated:
+            return self.error(handler, 403, "GatedRepo")
+        if repo not in self.repos:
+            return self.error(handler, 404, "RepoNotFound")
+        kind, revision, rest = parts[2], urllib.parse.unquote(parts[3]), "/".join(parts[4:])
+        if revision not in self.revisions:
+            return self.error(handler, 404, "RevisionNotFound")
+        commit = self.revisions[revision]
+        if api and kind == "revision":
+            siblings = [{"rfilename": n, "size": e["size"], "blobId": e["blob"],
+                         "lfs": {"sha256": e["sha256"], "size": e["size"], "pointerSize": 130}}
+                        for n in self.files(repo) for e in [self.entry(repo, n)]]
+            return self.json(handler, {"id": repo, "modelId": repo, "sha": commit, "private": False,
+                                       "siblings": siblings})
+        if api and kind == "tree":
+            tree = [{"type": "file", "path": n, "size": e["size"], "oid": e["blob"],
+                     "lfs": {"oid": e["sha256"], "size": e["size"], "pointerSize": 130}}
+                    for n in self.files(repo) for e in [self.entry(repo, n)]]
+            return self.json(handler, tree)
+        if kind != "resolve" or rest not in self.files(repo):
+            return self.error(handler, 404, "EntryNotFound")
+        data = self.content(repo, rest)
+        start = 0
+        if handler.headers.get("Range", "").startswith("bytes="):
+            start = int(handler.headers["Range"][6:].split("-")[0])
+        handler.send_response(206 if start else 200)
+        handler.send_header("X-Repo-Commit", commit)
+        handler.send_header("ETag", f'"{self.entry(repo, rest)["sha256"]}"')
+        handler.send_header("Content-Length", str(len(data) - start))
+        handler.end_headers()
+        if body:
+            self.downloads.append(rest)
+            handler.wfile.write(data[start:])
+
+    def json(self, handler, value):
+        data = json.dumps(value).encode()
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+
+
+@pytest.fixture
+def hub_repo(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(LEROBOT, repo)
+    (repo / "README.md").write_text("a model card\n")
+    return repo
+
+
+@pytest.fixture
+def hub(hub_repo):
+    fake = FakeHub({"someone/pi05_tiny": hub_repo, "lerobot/gated_pi05": hub_repo})
+    fake.gated.add("lerobot/gated_pi05")
+    yield fake
+    fake.close()
+
+
+def test_names_parse_as_their_communities_write_them(tmp_path):
+    assert parse_name("lerobot/pi05_base") == CheckpointName("hub", "lerobot/pi05_base")
+    assert parse_name("someone/pi05_so101@v1.0") == CheckpointName("hub", "someone/pi05_so101", "v1.0")
+    assert parse_name("gs://openpi-assets/checkpoints/pi05_droid/") == \
+        CheckpointName("bucket", "gs://openpi-assets/checkpoints/pi05_droid")
+    assert parse_name("/models/pi05_droid_pytorch").kind == "local"
+    assert parse_name("file:///models/x") == CheckpointName("local", "/models/x")
+    local = tmp_path / "org" / "name"
+    local.mkdir(parents=True)
+    os.chdir(tmp_path)
+    assert parse_name("org/name").kind == "local"           # a folder of that name wins, as in LeRobot
+    assert not is_remote(str(local)) and is_remote("org/other")
+    with pytest.raises(CheckpointError, match="gs://<bucket>/<path>"):
+        parse_name("gs://openpi-assets")
+
+
+def test_a_hub_id_is_fetched_once_with_only_the_loaders_files_and_verified(hub, tmp_path):
+    cache, said = tmp_path / "hf", []
+    folder = resolve_checkpoint("someone/pi05_tiny", said.append, hub_cache=cache, endpoint=hub.endpoint)
+    assert folder == cache / "models--someone--pi05_tiny" / "snapshots" / COMMIT
+    wanted = sorted(p.name for p in LEROBOT.iterdir() if p.name != "reference.npz")
+    assert sorted(p.name for p in folder.iterdir()) == wanted          # no README, no reference.npz
+    for name in wanted:
+        assert (folder / name).read_bytes() == (LEROBOT / name).read_bytes()
+    assert set(hub.downloads) <= set(wanted)           # (the two processors' equal statistics: one blob)
+    assert any("downloading 6 file(s)" in line for line in said)
+    # Again: nothing downloaded, the same folder.
+    hub.downloads.clear()
+    assert resolve_checkpoint("someone/pi05_tiny", said.append, hub_cache=cache, endpoint=hub.endpoint) == folder
+    assert hub.downloads == []
+
+
+def test_a_revision_is_fetched_at_its_commit(hub, tmp_path):
+    folder = resolve_checkpoint("someone/pi05_tiny@v1", hub_cache=tmp_path, endpoint=hub.endpoint)
+    assert folder.name == OTHER_COMMIT
+    assert (tmp_path / "models--someone--pi05_tiny" / "refs" / "v1").read_text() == OTHER_COMMIT
+
+
+def test_a_fetched_checkpoint_serves_like_the_local_folder(hub, tmp_path):
+    import torch
+
+    from oxygen_ros.model.checkpoint import load_pi05
+
+    folder = resolve_checkpoint("someone/pi05_tiny", hub_cache=tmp_path, endpoint=hub.endpoint)
+    a, b = load_pi05(LEROBOT, LEROBOT_CONFIG), load_pi05(folder, LEROBOT_CONFIG)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name
+
+
+@pytest.mark.parametrize("name, message", [
+    ("nobody/nothing", "no such repo on the hub"),
+    ("lerobot/gated_pi05", "a gated repo on the hub: accept its terms"),
+    ("someone/pi05_tiny@v9", "revision 'v9' not found in someone/pi05_tiny"),
+])
+def test_hub_refusals_are_one_line(hub, tmp_path, name, message):
+    with pytest.raises(CheckpointError, match=message) as e:
+        resolve_checkpoint(name, hub_cache=tmp_path, endpoint=hub.endpoint)
+    assert "\n" not in str(e.value)
+
+
+def test_a_repo_without_weights_is_refused_before_downloading(hub_repo, tmp_path):
+    (hub_repo / "model.safetensors").unlink()
+    fake = FakeHub({"someone/pi05_tiny": hub_repo})
+    try:
+        with pytest.raises(CheckpointError, match="holds no π0.5 weights"):
+            resolve_checkpoint("someone/pi05_tiny", hub_cache=tmp_path, endpoint=fake.endpoint)
+        assert fake.downloads == []
+    finally:
+        fake.close()
+
+
+def test_a_damaged_download_is_removed_and_refused(hub_repo, tmp_path):
+    fake = FakeHub({"someone/pi05_tiny": hub_repo}, damage={"config.json"})
+    try:
+        with pytest.raises(CheckpointError, match="config.json sha256 .* where the listing says"):
+            resolve_checkpoint("someone/pi05_tiny", hub_cache=tmp_path, endpoint=fake.endpoint)
+        blob = hashlib.sha256((hub_repo / "config.json").read_bytes()).hexdigest()
+        assert not (tmp_path / "models--someone--pi05_tiny" / "blobs" / blob).exists()
+    finally:
+        fake.close()
+
+
+def test_too_little_disk_is_refused_before_downloading(hub, tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 ** 9, 10 ** 9, 1000))
+    with pytest.raises(CheckpointError, match=r"needs 1\.\d MB but .* has 1\.0 kB free"):
+        resolve_checkpoint("someone/pi05_tiny", hub_cache=tmp_path, endpoint=hub.endpoint)
+    assert hub.downloads == []
+
+
+def test_no_network_uses_the_cache_or_names_the_folder_to_fill(hub, tmp_path):
+    cache = tmp_path / "hf"
+    dead = "http://127.0.0.1:9"                    # the discard port: connection refused
+    with pytest.raises(CheckpointError, match=r"not in the hub cache and the hub cannot be reached: fill "
+                                              r".*models--someone--pi05_tiny") as e:
+        resolve_checkpoint("someone/pi05_tiny", hub_cache=cache, endpoint=dead)
+    assert "\n" not in str(e.value)
+    folder = resolve_checkpoint("someone/pi05_tiny", hub_cache=cache, endpoint=hub.endpoint)
+    said = []
+    assert resolve_checkpoint("someone/pi05_tiny", said.append, hub_cache=cache, endpoint=dead) == folder
+    assert any("cannot be reached" in line for line in said)
+
+
+def test_the_hubs_environment_variables_are_honoured(hub, tmp_path):
+    """HF_ENDPOINT and HF_HUB_CACHE, then HF_HUB_OFFLINE, read by huggingface_hub at import (a new process)."""
+    code = ("import sys; from oxygen_ros.model.download import resolve_checkpoint; "
+            "print(resolve_checkpoint(sys.argv[1], lambda s: None))")
+    env = dict(os.environ, HF_ENDPOINT=hub.endpoint, HF_HUB_CACHE=str(tmp_path / "c"), HF_HUB_OFFLINE="0")
+    run = subprocess.run([sys.executable, "-c", code, "someone/pi05_tiny"], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str(tmp_path / "c" / "models--someone--pi05_tiny" / "snapshots" / COMMIT)
+    hub.downloads.clear()
+    env.update(HF_HUB_OFFLINE="1")
+    run = subprocess.run([sys.executable, "-c", code, "someone/pi05_tiny"], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert hub.downloads == []
+    run = subprocess.run([sys.executable, "-c", code, "someone/other"], env=env, capture_output=True, text=True)
+    assert run.returncode != 0 and "not in the hub cache" in run.stderr
+
+
+def test_progress_lines():
+    assert progress_line("x/y", 500_000_000, 2_000_000_000, 10.0) == \
+        "x/y: 500.0 MB of 2.0 GB (25%), 50.0 MB/s, 30 s left"
+    assert progress_line("x/y", 0, 0, 0.0) == "x/y: 0 B of 0 B, 0 B/s"
+
+
+def test_progress_is_logged_while_a_download_runs_and_quiet_on_a_terminal():
+    said, done = [], threading.Event()
+
+    def count():
+        done.set()
+        return 1000
+
+    with download._Progress("x/y", 4000, count, said.append, period_s=0.01, terminal=False):
+        assert done.wait(10)
+    assert said and said[0].startswith("x/y: 1.0 kB of 4.0 kB (25%)")
+    said.clear()
+    with download._Progress("x/y", 4000, count, said.append, period_s=0.01, terminal=True) as p:
+        assert p.quiet
+    assert said == []
+
+
+# ----------------------------------------------------------------------------------------- the bucket
+
+class LocalBucket(LocalFileSystem):
+    """The `gs` protocol served from a local folder (`gs://bucket/path` -> <root>/bucket/path), so that the
+    bucket path runs through fsspec as it does against Google Cloud Storage."""
+
+    root = ""
+    protocol = ("gs", "gcs")
+
+    def __init__(self, token=None, **kwargs):
+        assert token == "anon"                   # the published buckets are read anonymously
+        super().__init__(**kwargs)
+
+    def _strip_protocol(cls, path):
+        path = str(path)
+        for prefix in ("gs://", "gcs://"):
+            if path.startswith(prefix):
+                path = path[len(prefix):]
+        if not path.startswith(LocalBucket.root):     # fsspec strips an already stripped path again
+            path = os.path.join(LocalBucket.root, path.lstrip("/"))
+        return LocalFileSystem._strip_protocol(path)
+
+    _strip_protocol = classmethod(_strip_protocol)
+
+    def get_file(self, rpath, lpath, **kwargs):
+        shutil.copyfile(self._strip_protocol(rpath), lpath)      # lpath is this machine's, not the bucket's
+
+
+@pytest.fixture
+def bucket(tmp_path, monkeypatch):
+    root = tmp_path / "bucket_root"
+    checkpoint = root / "openpi-assets" / "checkpoints" / "pi05_tiny"
+    shutil.copytree(LEROBOT, checkpoint)
+    (checkpoint / "assets" / "tiny").mkdir(parents=True)
+    (checkpoint / "assets" / "tiny" / "norm_stats.json").write_text("{}")
+    monkeypatch.setattr(LocalBucket, "root", str(root))
+    fsspec.register_implementation("gs", LocalBucket, clobber=True)
+    yield checkpoint
+    _registry.pop("gs", None)
+
+
+def test_a_bucket_url_is_fetched_into_openpis_cache_layout(bucket, tmp_path, monkeypatch):
+    monkeypatch.setenv("OPENPI_DATA_HOME", str(tmp_path / "openpi"))
+    said = []
+    folder = resolve_checkpoint("gs://openpi-assets/checkpoints/pi05_tiny", said.append)
+    assert folder == tmp_path / "openpi" / "openpi-assets" / "checkpoints" / "pi05_tiny"
+    expected = sorted(str(p.relative_to(bucket)) for p in bucket.rglob("*") if p.is_file())
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == expected
+    assert not folder.with_suffix(".partial").exists()
+    assert any("downloading 8 file(s)" in line for line in said)
+    # An existing cache entry (openpi's own, or ours) is used as it is: no bucket access.
+    _registry.pop("gs", None)
+    assert resolve_checkpoint("gs://openpi-assets/checkpoints/pi05_tiny", said.append,
+                              openpi_cache=tmp_path / "openpi") == folder
+
+
+def test_an_interrupted_bucket_download_resumes_and_is_never_used_half_done(bucket, tmp_path):
+    cache = tmp_path / "openpi"
+    target = cache / "openpi-assets" / "checkpoints" / "pi05_tiny"
+    partial = target.with_suffix(".partial")
+    partial.mkdir(parents=True)
+    shutil.copy(bucket / "config.json", partial / "config.json")             # one file done
+    (partial / "model.safetensors").write_bytes(b"cut short")                  # one cut short
+    assert not target.exists()                                                  # not usable yet
+    folder = resolve_checkpoint("gs://openpi-assets/checkpoints/pi05_tiny", openpi_cache=cache)
+    assert (folder / "model.safetensors").read_bytes() == (bucket / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("url, message", [
+    ("gs://openpi-assets/checkpoints/nothing", "nothing in the bucket under this path|not found in the bucket"),
+    ("gs://openpi-assets/checkpoints/pi05_tiny/assets", "holds no π0.5 weights"),
+])
+def test_bucket_refusals_are_one_line(bucket, tmp_path, url, message):
+    with pytest.raises(CheckpointError, match=message) as e:
+        resolve_checkpoint(url, openpi_cache=tmp_path / "openpi")
+    assert "\n" not in str(e.value)
+
+
+def test_an_unreachable_bucket_names_the_folder_to_fill(tmp_path, monkeypatch):
+    class Offline(LocalBucket):
+        def find(self, *args, **kwargs):
+            raise ConnectionError("no network")
+
+    fsspec.register_implementation("gs", Offline, clobber=True)
+    try:
+        with pytest.raises(CheckpointError, match=r"cannot be reached \(ConnectionError\): fill .*pi05_droid"):
+            resolve_checkpoint("gs://openpi-assets/checkpoints/pi05_droid", openpi_cache=tmp_path)
+    finally:
+        _registry.pop("gs", None)
+
+
+def test_a_damaged_bucket_object_is_refused(bucket, tmp_path, monkeypatch):
+    real_find = LocalBucket.find
+
+    def find_with_md5(self, path, **kwargs):
+        listing = real_find(self, path, **kwargs)
+        for name, info in listing.items():        # what GCS lists: the object's md5, base64
+            info["md5Hash"] = __import__("base64").b64encode(hashlib.md5(b"other bytes").digest()).decode()
+        return listing
+
+    monkeypatch.setattr(LocalBucket, "find", find_with_md5)
+    with pytest.raises(CheckpointError, match="md5 .* where the listing says"):
+        resolve_checkpoint("gs://openpi-assets/checkpoints/pi05_tiny", openpi_cache=tmp_path)
+    assert not (tmp_path / "openpi-assets" / "checkpoints" / "pi05_tiny").exists()
