@@ -60,27 +60,33 @@ def root(tmp_path, weights) -> Path:
 
 
 # Run as a separate process: a loader blocked opening a FIFO may hold the interpreter lock (safetensors).
+# Opening a FIFO for writing without blocking succeeds only while a reader has it open (ENXIO otherwise): so
+# the watchdog fires exactly when something opened a FIFO for reading, however long a slow first load takes.
 WATCHDOG = """
 import os, pathlib, stat, sys, time
-time.sleep(float(sys.argv[2]))
 root = pathlib.Path(sys.argv[1])
-(root / "watchdog_fired").touch()
-for path in root.rglob("*"):
-    if stat.S_ISFIFO(path.lstat().st_mode):
+while True:                        # until the fixture kills it; the test makes its FIFOs after the start
+    for path in root.rglob("*"):
         try:
-            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            if not stat.S_ISFIFO(path.lstat().st_mode):
+                continue
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
         except OSError:
-            pass
+            continue
+        (root / "watchdog_fired").touch()
+        os.close(fd)
+    time.sleep(0.05)
 """
 
 
 @pytest.fixture
 def within_seconds(root):
-    """Fail a case that blocks instead of hanging the suite. A loader that opens a FIFO for reading blocks
-    in the open call, inside native code that retries it after a signal (safetensors, sentencepiece), so no
-    alarm can interrupt it: after 10 s a watchdog process opens every FIFO under `root` for writing and
-    closes it, which lets the open return (the read then sees the end of the file), and the case fails."""
-    watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(root), "10"])
+    """Fail a case that opens a FIFO for reading instead of hanging the suite. Such a loader blocks in the
+    open call, inside native code that retries it after a signal (safetensors, sentencepiece), so no alarm
+    can interrupt it: a watchdog process sees the reader (a non-blocking open for writing succeeds only
+    then), marks the case failed, and closes its end, which lets the open return (the read sees the end of
+    the file). No wall-clock bound: a slow first load on a loaded machine is not a hang."""
+    watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(root)])
     yield
     watchdog.kill()
     watchdog.wait()
