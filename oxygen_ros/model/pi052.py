@@ -12,9 +12,12 @@ branch's earlier `pi052/inference/vqa.py` (d099ac91b). Pure Python: the engine t
   `[user task, assistant "Previous memory: {m}"?, user "Completed subtask: {s}"?]`; interjection
   `[user task, assistant "Previous plan:\\n{plan}"?, user text?]` (empty parts left out).
 - Actions, default recipe: `"User: {subtask}, State: {bins};\\n"` (task, memory and plan never reach it).
-  Joint recipe (`joint_subtask_conditioning`): `"User: {task}, State: {bins};\\n"` (bidirectional, the
-  subtask is also generated from it) then `"Assistant: {subtask}" EOS "\\n"`, causal, so the prompt does not
-  depend on the subtask. `joint_span_tokens` gives that span's ids as the branch's tokenizer call does.
+  Joint recipe (`joint_subtask_conditioning`): `"User: {task}, State: {bins};\\nAssistant:"` with the
+  images, bidirectional (the subtask request's prompt too), then the subtask's tokens, causal, then EOS and
+  `"\\n"` as one last block (`joint_tokens`: the exact ids and attention), so the prompt's K/V does not
+  depend on the subtask.
+- Generated text is decoded as transformers' Gemma tokenizer does (`decode_reply`); spoken turns are
+  flattened to `<say>` markers (`speech_turn`).
 - Greedy decoding, at most 128 new tokens, stop at EOS; the FAST action-code ids are always masked, the
   `<loc0000>`-`<loc1023>` ids (256000-257023) in all prose (`Pi052Format.masked_ranges`).
 - Interjection replies: the first `<say>...</say>` is speech, the rest the plan (`split_plan_and_say`).
@@ -102,22 +105,97 @@ def joint_prompt(task: str, state: str | None) -> str:
 
 
 def joint_subtask_span(subtask: str) -> str:
-    """The text of the joint recipe's causal span before its EOS: `"Assistant: {subtask}"`. The whole span
-    is this text, the EOS id, then `"\\n"` (`joint_span_tokens`)."""
+    """The text of the joint recipe's span before its EOS: `"Assistant: {subtask}"`. The whole span is this
+    text, the EOS id, then `"\\n"`; `joint_tokens` gives its ids and attention as the branch builds them."""
     return f"Assistant: {subtask}"
 
 
-class _Encoder(Protocol):
+class _SentencePiece(Protocol):
+    sp: Any            # a sentencepiece.SentencePieceProcessor (model.tokenizer.Tokenizer has one)
+    bos_id: int
     eos_id: int
 
     def encode(self, text: str, bos: bool = False) -> list[int]: ...
 
 
-def joint_span_tokens(tokenizer: _Encoder, subtask: str) -> list[int]:
-    """The causal span's ids, `"Assistant: {subtask}" EOS "\\n"`, as the branch's tokenizer call gives them:
-    the `<eos>` string splits the text, each side is encoded on its own (checked against the branch's
-    `encode_prompt_with_targets` in test_pi052_reference)."""
+@dataclass(frozen=True)
+class JointPrompt:
+    """The joint recipe's prompt tokens and their attention, as the branch's `encode_prompt_with_targets` and
+    causal marks make them (`_apply_causal_language_marks` on openpi's cumulative attention blocks):
+    `tokens[:bidir]` (BOS, `"User: {task}, State: ...;\\n"` and the span's `"Assistant:"`) attend to each other
+    and to the images: the same tokens, so the same K/V, as the subtask request
+    `joint_prompt(...) + "Assistant:"`; the next `causal` tokens (the subtask's) attend causally, as decoded
+    tokens do; the last `tail` tokens (EOS, then `"\\n"`) are one more block: they see each other, so EOS sees
+    the newline after it (not a plain causal span)."""
+    tokens: list[int]
+    bidir: int
+    causal: int
+    tail: int
+
+
+def joint_tokens(tokenizer: _SentencePiece, task: str, state: str | None, subtask: str) -> JointPrompt:
+    """The joint recipe's action prompt for `subtask` (the decoded text, re-encoded as the branch does). The
+    tokenizer call splits the text at the `<eos>` string: the text before it is encoded in one piece, then
+    EOS, then `"\\n"`. A token is the subtask's when its bytes overlap the subtask's (the branch's
+    offset-overlap rule): a piece joining the space after `"Assistant:"` to the first word is the subtask's."""
+    head = joint_prompt(task, state) + "Assistant: "
+    text = head + subtask
+    pieces = tokenizer.sp.encode(text, out_type="immutable_proto").pieces
+    start, end = len(head.encode()), len(text.encode())
+    marked = [not (p.end <= start or p.begin >= end) for p in pieces]
+    bidir = 1 + (marked.index(True) if True in marked else len(pieces))
+    newline = tokenizer.sp.encode("\n")
+    tokens = [tokenizer.bos_id] + [p.id for p in pieces] + [tokenizer.eos_id] + newline
+    return JointPrompt(tokens, bidir, sum(marked), 1 + len(newline))
+
+
+def joint_span_tokens(tokenizer: _SentencePiece, subtask: str) -> list[int]:
+    """The span's ids, `"Assistant: {subtask}" EOS "\\n"` (the text before the `<eos>` string and the text
+    after it are encoded apart, as the tokenizer call does): after `[BOS] + encode(joint_prompt(...))` they are
+    the branch's ids (test_pi052_reference). Its attention is not "all causal": see `joint_tokens`."""
     return tokenizer.encode(joint_subtask_span(subtask)) + [tokenizer.eos_id] + tokenizer.encode("\n")
+
+
+def speech_turn(content: str, speech: Sequence[str]) -> str:
+    """An assistant turn that spoke, as the branch flattens its `say` tool calls (`_flatten_say_tool_calls`):
+    the content stripped, a newline, then `<say>{text}</say>` per utterance (the markers alone when there is
+    no content); unchanged when nothing was said. Empty utterances are dropped, as there."""
+    said = "".join(f"<say>{text}</say>" for text in speech if text)
+    if not said:
+        return content
+    base = content.strip()
+    return f"{base}\n{said}" if base else said
+
+
+def decode_reply(tokenizer: _SentencePiece, ids: Sequence[int]) -> str:
+    """Generated ids to text as the branch decodes them (transformers' Gemma tokenizer,
+    `decode(ids, skip_special_tokens=True).strip()`): control and unknown ids dropped, "\u2581" read as a
+    space, each run of byte pieces read as UTF-8, or as one U+FFFD per byte when the run is not valid UTF-8
+    (SentencePiece's own decode keeps the valid bytes of such a run: the two differ there)."""
+    sp = tokenizer.sp
+    out, run, run_pieces = [], bytearray(), 0
+
+    def flush():
+        nonlocal run_pieces
+        if run_pieces:
+            try:
+                out.append(run.decode("utf-8"))
+            except UnicodeDecodeError:
+                out.append("\ufffd" * run_pieces)
+            run.clear()
+            run_pieces = 0
+
+    for i in map(int, ids):
+        if not 0 <= i < sp.get_piece_size() or sp.is_control(i) or sp.is_unknown(i):
+            continue                      # special ids are skipped before the byte runs are read, as there
+        if sp.is_byte(i):
+            run.append(int(sp.id_to_piece(i)[3:-1], 16))     # "<0xAB>"
+            run_pieces += 1
+            continue
+        flush()
+        out.append(sp.id_to_piece(i).replace("\u2581", " "))
+    flush()
+    return "".join(out).strip()
 
 
 def split_plan_and_say(text: str) -> tuple[str, str]:
