@@ -249,7 +249,8 @@ def _legacy_storage_bytes(numel: int, header: int, payload: bytes) -> bytes:
 def test_tensor_storage_bomb_allocates_nothing(lerobot_classes):
     """A storage record declaring 2^40 floats with 4 bytes behind it."""
     ok = _legacy_storage_bytes(1, 1, np.float32(2.5).tobytes())
-    assert torch.equal(wire._storage_from_bytes(ok, DecodeLimits()).data, torch.tensor([2.5]))
+    assert torch.equal(wire._storage_from_bytes(ok, wire._Budget(DecodeLimits(), len(ok), "test")).data,
+                       torch.tensor([2.5]))
     bomb = _Reduce(torch.storage._load_from_bytes, (_legacy_storage_bytes(1 << 40, 1 << 40, b"\0" * 4),))
     e = refusal(inside(lerobot_classes, bomb))
     assert type(e) is Refused and f"{1 << 40} elements need {4 << 40} bytes, carries 4" in str(e)
@@ -328,3 +329,85 @@ def test_bytes_after_the_pickle_are_refused(lerobot_classes):
     data = pickle.dumps(lerobot_classes.TimedObservation(0.0, 0, {"task": ""}))
     e = refusal(data + b"\x80\x04N.")
     assert type(e) is Refused and "4 bytes after the pickle's end" in str(e)
+
+
+@pytest.mark.parametrize("data, index", [(b"Np2147483648\n.", 2147483648), (b"Ng2147483648\n.", 2147483648),
+                                         (b"N\x94h\xff.", 255), (b"Nj\x00\x00\x00\x80.", 1 << 31)])
+def test_memo_indices_of_every_protocol_are_checked(data, index):
+    """PUT/GET (protocol 0, decimal text), BINGET and LONG_BINGET: an index beyond the opcodes seen is refused
+    by the scan, whichever protocol's opcode carries it."""
+    e = refusal(data)
+    assert type(e) is Refused and f"memo index {index}" in str(e), str(e)
+
+
+# ---------------------------------------------------------------------------------- what a message builds
+def _repeated_calls(lerobot_classes, fn, args, times: int) -> bytes:
+    """An observation whose `extra` is `times` calls of `fn` on ONE memoised argument tuple: the pickle holds
+    the arguments once, each call builds their whole size again."""
+    return inside(lerobot_classes, [_Reduce(fn, args) for _ in range(times)])
+
+
+def test_memo_reuse_of_one_buffer_cannot_build_more_than_the_message(lerobot_classes):
+    """Issue 40 item 1: numpy's `_frombuffer` 2,000 times on one memoised 1 MiB buffer (a 1 MiB message that
+    grew the server by 1.5 GB). The budget is the message's own length: the second copy is refused."""
+    buf = bytes(1 << 20)
+    data = _repeated_calls(lerobot_classes, np._core.numeric._frombuffer, (buf, np.dtype("u1"), (1 << 20,), "C"), 2000)
+    assert len(data) < (1 << 20) + (64 << 10)
+    e = refusal(data)
+    assert type(e) is TooLarge and f"would build more than {len(data)} bytes" in str(e), str(e)
+
+
+def test_memo_reuse_of_one_tensor_storage_cannot_build_more_than_the_message(lerobot_classes):
+    """The same with torch's `_rebuild_tensor_v2` on one memoised (storage, offset, size, stride) tuple."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        storage = torch.zeros(1 << 18).storage()                    # 1 MiB of float32
+    args = (storage, 0, (1 << 18,), (1,), False, collections.OrderedDict())
+    data = _repeated_calls(lerobot_classes, torch._utils._rebuild_tensor_v2, args, 500)
+    e = refusal(data)
+    assert type(e) is TooLarge and "would build more than" in str(e) and "a tensor of 1048576 bytes" in str(e), str(e)
+
+
+def test_shared_references_are_counted_as_the_copies_they_become(lerobot_classes):
+    """Issue 40 item 2: feature lists referencing each other through the memo: 10 lists of 10 lists ... 8 deep,
+    10^8 references in under 1 kB. Each reference would be walked and copied: refused at `max_opcodes` visits."""
+    names = ["shoulder_pan.pos"]
+    for _ in range(8):
+        names = [names] * 10
+    features = {"observation.state": {"dtype": "float32", "shape": (6,), "names": names}}
+    data = pickle.dumps(lerobot_classes.RemotePolicyConfig("pi05", "p", features, 10))
+    assert len(data) < 1024
+    e = refusal(data, RemotePolicyConfig)
+    assert type(e) is TooLarge and "more than 10000 objects to build (shared references" in str(e), str(e)
+    # An honest config of the same kind decodes (the budget counts objects, not the nesting).
+    names = [["shoulder_pan.pos"] * 10 for _ in range(10)]
+    features["observation.state"]["names"] = names
+    got = decode(pickle.dumps(lerobot_classes.RemotePolicyConfig("pi05", "p", features, 10)), RemotePolicyConfig)
+    assert got.lerobot_features["observation.state"]["names"] == names
+
+
+def test_the_built_bytes_and_array_count_budgets(lerobot_classes):
+    """`max_built_bytes` and `max_arrays` (the server sets them from the client's declared cameras and joints)."""
+    sent = lerobot_classes.TimedObservation(0.0, 0, {"img": np.zeros(2000, np.uint8), "task": ""})
+    e = refusal(pickle.dumps(sent), limits=DecodeLimits(max_built_bytes=1999))
+    assert type(e) is TooLarge and "would build more than 1999 bytes" in str(e)
+    assert decode(pickle.dumps(sent), TimedObservation, DecodeLimits(max_built_bytes=2000)).observation["img"].size == 2000
+    many = lerobot_classes.TimedObservation(0.0, 0, {f"a{i}": np.zeros(1, np.uint8) for i in range(9)} | {"task": ""})
+    e = refusal(pickle.dumps(many), limits=DecodeLimits(max_arrays=8))
+    assert type(e) is TooLarge and "more than 8 arrays and tensors" in str(e)
+
+
+def test_an_ordered_dict_with_a_state_is_refused(lerobot_classes):
+    """Issue 40 item 4: an OrderedDict whose BUILD replaces `items` (an instance attribute over the method):
+    the walk called it and the server answered INTERNAL. Refused when BUILD comes."""
+    e = refusal(inside(lerobot_classes, _Reduce(collections.OrderedDict, (), {"items": 1})))
+    assert type(e) is Refused and "OrderedDict with a state (dict) is refused" in str(e), str(e)
+
+
+def test_one_message_has_a_time_budget(lerobot_classes, monkeypatch):
+    """`max_seconds` on a simulated clock that advances 0.2 s at each reading: refused once it is spent."""
+    clock = iter(np.arange(0.0, 1e6, 0.2))
+    monkeypatch.setattr(wire.time, "monotonic", lambda: float(next(clock)))
+    data = inside(lerobot_classes, [np.zeros(4, np.uint8) for _ in range(4)])
+    e = refusal(data, limits=DecodeLimits(max_seconds=0.5))
+    assert type(e) is TooLarge and "decoding took more than 0.5 s" in str(e), str(e)

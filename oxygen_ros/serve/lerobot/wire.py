@@ -20,6 +20,14 @@ module decodes with a restricted unpickler instead:
   4. a walk of the result: the message's dataclass, containers nested at most `max_depth` deep, leaves of
      the allowed kinds only, arrays materialised.
 
+What a message BUILDS is budgeted, not only what it sends (`_Budget`, one per message): every array, tensor
+and storage copy is charged before it is made, against `max_built_bytes` (by default the message's own
+length: an honest pickle carries every byte its arrays hold, so only memo reuse of one buffer could build
+more) and `max_arrays`; the walk of step 4 counts every object it visits against `max_opcodes` (a container
+reached again through the memo would be copied once per reference: an honest pickle visits at most one
+object per opcode); and the whole decode has `max_seconds`. A 1 MiB buffer named 2,000 times, or feature
+lists referencing each other 10^8 times, are refused in milliseconds, having built at most their budget.
+
 Every refusal is a `Refused` (the peer sent something malformed or not allowed) or `TooLarge` (over a
 limit) with the reason; the server turns them into INVALID_ARGUMENT / RESOURCE_EXHAUSTED.
 
@@ -34,6 +42,7 @@ import io
 import math
 import pickle
 import pickletools
+import time
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -53,17 +62,22 @@ class TooLarge(Refused):
 
 
 # ---------------------------------------------------------------------------------- LeRobot's three classes
+def clipped(text: str, limit: int = 200) -> str:
+    """`text` cut to `limit` characters, saying how long it was (a client's names go into errors and logs)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 class _Recreated:
     """BUILD sets exactly the dataclass's fields (LeRobot pickles them as the instance's __dict__)."""
 
     def __setstate__(self, state):
         names = {f.name for f in fields(self)}
-        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        if type(state) is not dict or not all(type(k) is str for k in state):
             raise Refused(f"{type(self).__name__}: its state must be a dict of field names, got "
                           f"{type(state).__name__}")
         unknown = sorted(set(state) - names)
         if unknown:
-            raise Refused(f"{type(self).__name__}: unknown fields {unknown} (LeRobot's are {sorted(names)})")
+            raise Refused(clipped(f"{type(self).__name__}: unknown fields {unknown} (LeRobot's are {sorted(names)})"))
         self.__dict__.update(state)
 
 
@@ -123,10 +137,51 @@ class DecodeLimits:
     max_opcodes: int = 10_000        # a real observation or policy config has a few hundred
     max_depth: int = 12              # containers within containers (a config's features are 4 deep)
     max_ndim: int = 8
+    max_built_bytes: int | None = None   # arrays, tensors and storages built; None: the message's own length
+    max_arrays: int = 64             # arrays, tensors and numpy scalars built (an SO-101: 2 cameras, 6 joints)
+    max_seconds: float = 0.5         # one message's whole decode (a real one takes milliseconds)
 
     def problems(self) -> list[str]:
-        return [f"{name} {getattr(self, name)} must be at least 1" for name in
-                ("max_bytes", "max_opcodes", "max_depth", "max_ndim") if getattr(self, name) < 1]
+        out = [f"{name} {getattr(self, name)} must be at least 1" for name in
+               ("max_bytes", "max_opcodes", "max_depth", "max_ndim", "max_arrays") if getattr(self, name) < 1]
+        if self.max_built_bytes is not None and self.max_built_bytes < 0:
+            out.append(f"max_built_bytes {self.max_built_bytes} must be at least 0")
+        if not self.max_seconds > 0:
+            out.append(f"max_seconds {self.max_seconds} must be positive")
+        return out
+
+
+class _Budget:
+    """What one message may build: bytes of arrays/tensors/storages, their count, objects walked, time.
+    Charged before each thing is made, so that a refusal has built at most the budget."""
+
+    def __init__(self, limits: DecodeLimits, message_bytes: int, what: str):
+        cap = message_bytes if limits.max_built_bytes is None else min(message_bytes, limits.max_built_bytes)
+        self.limits, self.what, self.bytes_left, self.arrays_left = limits, what, cap, limits.max_arrays
+        self.cap, self.nodes_left = cap, limits.max_opcodes
+        self.deadline = time.monotonic() + limits.max_seconds
+
+    def build(self, nbytes: int, kind: str) -> None:
+        self.arrays_left -= 1
+        self.bytes_left -= nbytes
+        if self.arrays_left < 0:
+            raise TooLarge(f"{self.what}: more than {self.limits.max_arrays} arrays and tensors")
+        if self.bytes_left < 0:
+            raise TooLarge(f"{self.what}: its arrays and tensors would build more than {self.cap} bytes (a {kind} "
+                           f"of {nbytes} bytes over the budget; memo reuse of one buffer is never needed)")
+        self.check_time()
+
+    def visit(self) -> None:
+        self.nodes_left -= 1
+        if self.nodes_left < 0:
+            raise TooLarge(f"{self.what}: more than {self.limits.max_opcodes} objects to build (shared references "
+                           "through the pickle memo: each becomes a copy)")
+        if self.nodes_left % 256 == 0:
+            self.check_time()
+
+    def check_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise TooLarge(f"{self.what}: decoding took more than {self.limits.max_seconds:g} s")
 
 
 _REFUSED_OPCODES = {
@@ -202,15 +257,16 @@ def _shape(value, limits: DecodeLimits, what: str) -> tuple[int, ...]:
     return value
 
 
-def _array(data, dtype, shape, fortran: bool, limits: DecodeLimits) -> np.ndarray:
+def _array(data, dtype, shape, fortran: bool, budget: _Budget) -> np.ndarray:
     if not isinstance(dtype, _Dtype):
         raise Refused(f"array: dtype must be a numpy dtype, got {type(dtype).__name__}")
-    shape = _shape(shape, limits, "array")
-    if not isinstance(data, (bytes, bytearray)):
+    shape = _shape(shape, budget.limits, "array")
+    if type(data) not in (bytes, bytearray):
         raise Refused(f"array: its data must be bytes, got {type(data).__name__}")
     nbytes = math.prod(shape) * dtype.dtype.itemsize
     if len(data) != nbytes:
         raise Refused(f"array of shape {list(shape)} {dtype.dtype.str} needs {nbytes} bytes, carries {len(data)}")
+    budget.build(nbytes, "array")
     # A copy of the bytes present (never more): writable, and its own memory.
     return np.frombuffer(data, dtype=dtype.dtype).reshape(shape, order="F" if fortran else "C").copy(
         order="F" if fortran else "C")
@@ -219,35 +275,36 @@ def _array(data, dtype, shape, fortran: bool, limits: DecodeLimits) -> np.ndarra
 class _ArrayBuilder:
     """What numpy's `_reconstruct` returns while decoding: nothing allocated until BUILD brings the bytes."""
 
-    def __init__(self, limits: DecodeLimits):
-        self.limits, self.array = limits, None
+    def __init__(self, budget: _Budget):
+        self.budget, self.array = budget, None
 
     def __setstate__(self, state):
-        if not isinstance(state, tuple) or len(state) != 5 or state[0] != 1 or not isinstance(state[3], bool):
+        if type(state) is not tuple or len(state) != 5 or state[0] != 1 or not isinstance(state[3], bool):
             raise Refused(f"array: unexpected state {str(state)[:80]}")
-        self.array = _array(state[4], state[2], state[1], state[3], self.limits)
+        self.array = _array(state[4], state[2], state[1], state[3], self.budget)
 
 
 class _NdarrayType:
     """`numpy.ndarray` as an argument of `_reconstruct` (the only place LeRobot's pickles name it)."""
 
 
-def _numpy_globals(limits: DecodeLimits) -> dict:
+def _numpy_globals(budget: _Budget) -> dict:
     def reconstruct(subtype, shape, typecode):
-        if subtype is not _NdarrayType or shape != (0,) or typecode != b"b":
+        if subtype is not _NdarrayType or type(shape) is not tuple or shape != (0,) or typecode != b"b":
             raise Refused(f"numpy _reconstruct({getattr(subtype, '__name__', subtype)}, {str(shape)[:40]}, "
                           f"{str(typecode)[:20]}): only plain arrays as numpy pickles them")
-        return _ArrayBuilder(limits)
+        return _ArrayBuilder(budget)
 
     def scalar(dtype, data):
-        if not isinstance(dtype, _Dtype) or not isinstance(data, bytes) or len(data) != dtype.dtype.itemsize:
+        if not isinstance(dtype, _Dtype) or type(data) is not bytes or len(data) != dtype.dtype.itemsize:
             raise Refused("numpy scalar: a numeric dtype and exactly its itemsize in bytes")
+        budget.build(len(data), "numpy scalar")
         return np.frombuffer(data, dtype=dtype.dtype)[0]
 
     def frombuffer(buf, dtype, shape, order):
-        if order not in ("C", "F"):
+        if type(order) is not str or order not in ("C", "F"):
             raise Refused(f"array: order must be C or F, got {str(order)[:10]}")
-        return _array(bytes(buf) if isinstance(buf, bytearray) else buf, dtype, shape, order == "F", limits)
+        return _array(buf, dtype, shape, order == "F", budget)
 
     out = {("numpy", "ndarray"): _NdarrayType, ("numpy", "dtype"): _Dtype}
     for core in ("numpy._core", "numpy.core"):     # numpy 2 writes numpy._core, numpy 1 numpy.core
@@ -303,27 +360,28 @@ class _StorageUnpickler(_Unpickler):
         return pid
 
 
-def _load_one(data: bytes, start: int, allowed: dict, limits: DecodeLimits, what: str,
+def _load_one(data: bytes, start: int, allowed: dict, budget: _Budget, what: str,
               unpickler=_Unpickler) -> tuple[Any, int]:
-    end = scan(data, limits, what, start, persistent_ids=unpickler is _StorageUnpickler)
+    budget.check_time()
+    end = scan(data, budget.limits, what, start, persistent_ids=unpickler is _StorageUnpickler)
     return unpickler(io.BytesIO(memoryview(data)[start:end]), allowed, what).load(), end
 
 
-def _storage_from_bytes(data, limits: DecodeLimits) -> _Storage:
+def _storage_from_bytes(data, budget: _Budget) -> _Storage:
     """`torch.storage._load_from_bytes` (a storage pickled by a tensor) read by hand: the legacy format's
     magic, version, system info, the storage record, its key, then numel and the raw bytes."""
     what = "tensor storage"
-    if not isinstance(data, bytes):
+    if type(data) is not bytes:
         raise Refused(f"{what}: must be bytes")
-    magic, pos = _load_one(data, 0, {}, limits, what)
-    version, pos = _load_one(data, pos, {}, limits, what)
-    info, pos = _load_one(data, pos, {}, limits, what)
+    magic, pos = _load_one(data, 0, {}, budget, what)
+    version, pos = _load_one(data, pos, {}, budget, what)
+    info, pos = _load_one(data, pos, {}, budget, what)
     if magic != _TORCH_MAGIC or version != _TORCH_PROTOCOL or not isinstance(info, dict) \
             or info.get("little_endian") is not True:
         raise Refused(f"{what}: not a little-endian legacy torch.save stream")
     kinds = {("torch", name): _StorageKind(dtype) for name, dtype in _STORAGES.items()}
-    record, pos = _load_one(data, pos, kinds, limits, what, _StorageUnpickler)
-    keys, pos = _load_one(data, pos, {}, limits, what)
+    record, pos = _load_one(data, pos, kinds, budget, what, _StorageUnpickler)
+    keys, pos = _load_one(data, pos, {}, budget, what)
     if not isinstance(record, tuple) or keys != [record[2]]:
         raise Refused(f"{what}: expected one storage")
     kind, numel = record[1], record[4]
@@ -334,72 +392,88 @@ def _storage_from_bytes(data, limits: DecodeLimits) -> _Storage:
     raw = data[pos + 8:]
     if len(raw) != numel * itemsize:
         raise Refused(f"{what}: {numel} elements need {numel * itemsize} bytes, carries {len(raw)}")
+    budget.build(len(raw), "tensor storage")
     return _Storage(torch.frombuffer(bytearray(raw), dtype=kind.dtype) if numel else
                     torch.empty(0, dtype=kind.dtype))
 
 
-def _torch_globals(limits: DecodeLimits) -> dict:
+class _OrderedDict(collections.OrderedDict):
+    """`collections.OrderedDict()` while decoding (a tensor's empty backward hooks): items only, no state (a
+    BUILD would otherwise set instance attributes such as `items` over the class's methods)."""
+
+    def __setstate__(self, state):
+        raise Refused(f"an OrderedDict with a state ({type(state).__name__}) is refused: only items")
+
+
+def _torch_globals(budget: _Budget) -> dict:
+    limits = budget.limits
+
     def rebuild(storage, offset, size, stride, requires_grad, hooks, *metadata):
         if not isinstance(storage, _Storage) or type(offset) is not int or offset < 0:
             raise Refused("tensor: a storage and a non-negative offset")
-        size = _shape(tuple(size) if isinstance(size, (tuple, list)) else size, limits, "tensor")
-        stride = _shape(tuple(stride) if isinstance(stride, (tuple, list)) else stride, limits, "tensor stride")
-        if len(stride) != len(size) or not isinstance(hooks, dict) or hooks or metadata not in ((), (None,)):
+        size = _shape(tuple(size) if type(size) in (tuple, list) else size, limits, "tensor")
+        stride = _shape(tuple(stride) if type(stride) in (tuple, list) else stride, limits, "tensor stride")
+        if len(stride) != len(size) or type(hooks) is not _OrderedDict or hooks or metadata not in ((), (None,)):
             raise Refused("tensor: one stride per dimension, no backward hooks, no metadata")
         numel, available = math.prod(size), storage.data.numel()
         if numel and (numel > available or offset + sum((s - 1) * st for s, st in zip(size, stride)) >= available):
             raise Refused(f"tensor of size {list(size)} (stride {list(stride)}, offset {offset}) does not lie "
                           f"inside its storage of {available} elements")
+        budget.build(numel * storage.data.element_size(), "tensor")
         return torch.as_strided(storage.data, size, stride, offset).clone()
 
-    def ordered_dict():
-        return collections.OrderedDict()
-
     return {("torch._utils", "_rebuild_tensor_v2"): rebuild,
-            ("torch.storage", "_load_from_bytes"): lambda b: _storage_from_bytes(b, limits),
-            ("collections", "OrderedDict"): ordered_dict}
+            ("torch.storage", "_load_from_bytes"): lambda b: _storage_from_bytes(b, budget),
+            ("collections", "OrderedDict"): _OrderedDict}
 
 
 # ---------------------------------------------------------------------------------- decoding
 _LEAVES = (type(None), bool, int, float, str, np.ndarray, np.bool_, np.integer, np.floating, torch.Tensor)
 
 
-def _materialise(obj, limits: DecodeLimits, depth: int = 0):
-    """The decoded tree with array builders replaced by their arrays; Refused for any other kind of object."""
+def _materialise(obj, budget: _Budget, depth: int = 0):
+    """The decoded tree with array builders replaced by their arrays; Refused for any other kind of object.
+    Every object visited is charged to the budget: a container the memo shares is walked (and copied) once per
+    reference, so sharing cannot multiply the work beyond `max_opcodes` visits."""
+    budget.visit()
+    limits = budget.limits
     if depth > limits.max_depth:
         raise TooLarge(f"nested deeper than {limits.max_depth} levels")
-    if isinstance(obj, _ArrayBuilder):
+    kind = type(obj)
+    if kind is _ArrayBuilder:
         if obj.array is None:
             raise Refused("an array without its data")
         return obj.array
     if isinstance(obj, _LEAVES):
         return obj
-    if isinstance(obj, dict):
-        if not all(isinstance(k, str) for k in obj):
+    if kind in (dict, _OrderedDict):        # the class's own items(): nothing an instance could have replaced
+        if not all(type(k) is str for k in dict.keys(obj)):
             raise Refused("dictionary keys must be strings")
-        return {k: _materialise(v, limits, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_materialise(v, limits, depth + 1) for v in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    if isinstance(obj, _Recreated):
+        return {k: _materialise(v, budget, depth + 1) for k, v in dict.items(obj)}
+    if kind in (list, tuple):
+        items = [_materialise(v, budget, depth + 1) for v in obj]
+        return items if kind is list else tuple(items)
+    if kind in _LEROBOT_NAMES:
         missing = [f.name for f in fields(obj) if f.name not in obj.__dict__
                    and f.default is MISSING and f.default_factory is MISSING]
         if missing:
-            raise Refused(f"{type(obj).__name__}: missing fields {missing}")
-        return type(obj)(**{k: _materialise(v, limits, depth + 1) for k, v in obj.__dict__.items()})
-    raise Refused(f"a {type(obj).__name__} object is not allowed here")
+            raise Refused(f"{kind.__name__}: missing fields {missing}")
+        return kind(**{k: _materialise(v, budget, depth + 1) for k, v in obj.__dict__.items()})
+    raise Refused(f"a {kind.__name__} object is not allowed here")
 
 
 def decode(data: bytes, expect: type, limits: DecodeLimits = DecodeLimits()):
     """One of LeRobot's messages (`expect`: TimedObservation or RemotePolicyConfig) from its pickle bytes;
-    Refused / TooLarge with the reason. Nothing outside the message's allowlist is ever called."""
+    Refused / TooLarge with the reason. Nothing outside the message's allowlist is ever called, and what the
+    message builds stays within `limits` (`_Budget`)."""
     what = expect.__name__
     if len(data) > limits.max_bytes:
         raise TooLarge(f"{what}: {len(data)} bytes, over the limit of {limits.max_bytes}")
+    budget = _Budget(limits, len(data), what)
     allowed = {(LEROBOT_MODULE, what): expect}
     if expect is TimedObservation:
-        allowed.update(_numpy_globals(limits))
-        allowed.update(_torch_globals(limits))
+        allowed.update(_numpy_globals(budget))
+        allowed.update(_torch_globals(budget))
     end = scan(data, limits, what)
     if end != len(data):
         raise Refused(f"{what}: {len(data) - end} bytes after the pickle's end")
@@ -408,7 +482,7 @@ def decode(data: bytes, expect: type, limits: DecodeLimits = DecodeLimits()):
     except (Refused, MemoryError, RecursionError):
         raise
     except Exception as e:  # noqa: BLE001 - the unpickler's own complaints: wrong arguments, bad stack...
-        raise Refused(f"{what}: malformed pickle: {type(e).__name__}: {e}") from None
-    if not isinstance(obj, expect):
+        raise Refused(clipped(f"{what}: malformed pickle: {type(e).__name__}: {e}")) from None
+    if type(obj) is not expect:
         raise Refused(f"expected a {LEROBOT_MODULE}.{what}, got {type(obj).__name__}")
-    return _materialise(obj, limits)
+    return _materialise(obj, budget)
