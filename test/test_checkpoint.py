@@ -373,3 +373,37 @@ def test_the_float32_islands_spelled_out_by_parameter_name(tmp_path):
                 expected |= under(f"{stack}_layers.{layer}.{norm}")
     float32 = {n for n, p in loaded.named_parameters() if p.dtype == torch.float32}
     assert float32 == expected, (sorted(float32 - expected), sorted(expected - float32))
+
+
+def lerobot_tensors_with_head(model: Pi05, head: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A LeRobot file: the embedding as embed_tokens, and `head` as the separate lm_head."""
+    tensors = {"model." + k: v for k, v in openpi_tensors(model).items()}
+    tensors["model." + EMBED] = tensors["model." + LM_HEAD].clone()
+    tensors["model." + LM_HEAD] = head
+    return tensors
+
+
+@pytest.mark.parametrize("head, problem", [
+    (torch.zeros(CFG.vocab_size, CFG.vlm.width + 1), f"{LM_HEAD} has shape [64, 33], the config expects [64, 32]"),
+    (torch.zeros(CFG.vocab_size - 1, CFG.vlm.width), f"{LM_HEAD} has shape [63, 32], the config expects [64, 32]"),
+    (torch.zeros(CFG.vocab_size, CFG.vlm.width, dtype=torch.int32), f"{LM_HEAD} is I32"),
+])
+def test_a_lerobot_lm_head_apart_from_the_embedding_is_checked(tmp_path, head, problem):
+    """Issue 41 item 7: LeRobot's separate lm_head is the text head: its shape and dtype are checked before the
+    load, as every other weight's (it was read unchecked)."""
+    write(tmp_path, lerobot_tensors_with_head(random_model(), head))
+    with pytest.raises(CheckpointError, match=problem.replace("[", r"\[").replace("]", r"\]")):
+        load_pi05(tmp_path, CFG)
+
+
+def test_a_differing_lerobot_lm_head_is_the_text_head_and_an_equal_one_is_not_kept(tmp_path):
+    """As LeRobot reads its file: the embedding from embed_tokens, the text logits from lm_head when the two
+    were fine-tuned apart; an lm_head equal to the embedding is the tied one (nothing kept apart)."""
+    model = random_model()
+    head = torch.randn(CFG.vocab_size, CFG.vlm.width, generator=torch.Generator().manual_seed(5))
+    write(tmp_path / "apart", lerobot_tensors_with_head(model, head))
+    loaded = load_pi05(tmp_path / "apart", CFG)
+    assert torch.equal(loaded.embed_tokens.weight, model.embed_tokens.weight)
+    assert torch.equal(loaded.lm_head, head)
+    write(tmp_path / "tied", lerobot_tensors_with_head(model, model.embed_tokens.weight.detach().clone()))
+    assert load_pi05(tmp_path / "tied", CFG).lm_head is None

@@ -8,6 +8,9 @@ Formats (detected from the key names):
   names, `language_model.embed_tokens` (what LeRobot embeds with) and `lm_head` (its text logits). They
   start tied but LeRobot 0.6.1 fine-tunes them apart: the embedding is always read from `embed_tokens`
   when it is there (whatever the shard order), and a differing `lm_head` is kept for text logits, logged.
+- A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, LeRobot's `--peft` output): its
+  base's weights with the adapter merged in at load (model/lora.py); config and statistics are the adapter
+  folder's. The base is fetched by name when it is a hub id (model/download.py).
 Older openpi conversions name the time MLP `action_time_mlp_{in,out}`; accepted as aliases.
 Ignored on purpose (never used by π0.5 inference): the expert's LM head.
 
@@ -31,7 +34,10 @@ from safetensors.torch import save_file
 from .config import LIMITS, Pi05Config
 from .files import (LEROBOT_POSTPROCESSOR, LEROBOT_PREPROCESSOR, CheckpointError, JsonObject, is_file_name,
                     present, processor_steps, regular_file)
+from .download import parse_name, resolve_checkpoint
+from .lora import is_adapter, read_adapter
 from .pi05 import Pi05, param_dtype
+from .pi052 import Pi052Format, checkpoint_format
 
 _PG = "paligemma_with_expert.paligemma."
 _VIS = _PG + "model.vision_tower.vision_model."
@@ -260,6 +266,7 @@ class LeRobotPolicy:
     action_dim: int | None = None                 # the action feature's size: the model's chunk is cut to it
     image_resolution: tuple[int, int] | None = None   # (height, width) LeRobot resizes camera images to
     relative_mask: tuple[bool, ...] = ()          # relative actions: action dims that get the state added back
+    pi052: Pi052Format | None = None              # a pi052 checkpoint's language format (model/pi052.py)
 
     def camera_slots(self, slots: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
         """({feature: model slot}, problems). LeRobot feeds its cameras in input_features order, so the
@@ -279,7 +286,8 @@ class LeRobotPolicy:
 
 
 def lerobot_policy(path: str | Path) -> LeRobotPolicy | None:
-    """The LeRobot pi05 settings of a checkpoint directory (config.json with "type": "pi05"); None otherwise.
+    """The LeRobot pi05 settings of a checkpoint directory (config.json with "type": "pi05", or "pi052": the same
+    model and processors, plus its language format); None otherwise.
     Relative actions as LeRobot 0.6.1 serves them: the post-processor's absolute_actions_processor adds the
     (raw) state back on the dimensions its pre-processor's relative_actions_processor marks: all of them,
     except those whose name in `action_names` contains one of `exclude_joints` (default "gripper"). A
@@ -290,8 +298,12 @@ def lerobot_policy(path: str | Path) -> LeRobotPolicy | None:
     if not present(config):
         return None
     data = JsonObject.load(config)
-    if data.raw("type") != "pi05":
+    if data.raw("type") not in ("pi05", "pi052"):
         return None
+    try:
+        text_format = checkpoint_format(data.data)
+    except ValueError as e:
+        raise CheckpointError(f"{config}: {e}") from None
     features = data.object("input_features")
     cameras = []
     for name in features.keys() if features else ():
@@ -310,7 +322,8 @@ def lerobot_policy(path: str | Path) -> LeRobotPolicy | None:
                                   f"(output_features.action.shape)")
         mask = _relative_mask(action_dim, *relative)
     return LeRobotPolicy(tuple(cameras), action_dim=action_dim,
-                         image_resolution=tuple(resolution) if resolution else None, relative_mask=mask)
+                         image_resolution=tuple(resolution) if resolution else None, relative_mask=mask,
+                         pi052=text_format)
 
 
 def _relative_step(folder: Path, config: JsonObject) -> tuple[list[str], list[str] | None] | None:
@@ -350,7 +363,24 @@ def _relative_mask(action_dim: int, exclude_joints: list[str], action_names: lis
 def check_weights(path: str | Path, cfg: Pi05Config) -> tuple[str, dict[str, tuple[Path, str]]]:
     """The checkpoint's format and key map (read_key_map), once its files' headers (no tensor is read) show
     every weight of `cfg` in its shape and in a floating dtype: otherwise a CheckpointError naming the keys.
-    Cheap: the engine node runs it at configure, with its other checks, before anything is loaded."""
+    Cheap: the engine node runs it at configure, with its other checks, before anything is loaded. A PEFT
+    LoRA adapter folder (model/lora.py) maps its base's weights (fetched by name when it is a hub id) and is
+    checked against them: targets, ranks, shapes."""
+    fmt, mapping, adapter = _weights_and_adapter(path, cfg)
+    return fmt, mapping
+
+
+def _weights_and_adapter(path: str | Path, cfg: Pi05Config):
+    adapter = read_adapter(path) if is_adapter(path) else None
+    if adapter is not None:
+        base = resolve_checkpoint(adapter.base if adapter.revision is None or parse_name(adapter.base).kind != "hub"
+                                  else f"{adapter.base}@{adapter.revision}")
+        if is_adapter(base):
+            raise CheckpointError(f"{adapter.folder}: its base {adapter.base} is itself an adapter")
+        if present(folder_of(path) / "model.safetensors"):
+            raise CheckpointError(f"{folder_of(path)}: holds both model.safetensors and a PEFT adapter: which "
+                                  f"weights are the policy's is ambiguous")
+        path = base
     fmt, mapping = read_key_map(path)
     files = {f for f, _ in mapping.values()}
     where = files.pop() if len(files) == 1 else path          # the weights file, when there is one
@@ -383,27 +413,51 @@ def check_weights(path: str | Path, cfg: Pi05Config) -> tuple[str, dict[str, tup
     if mismatched:
         raise CheckpointError(f"{where}: {len(mismatched)} tensor(s) do not match the model config "
                               f"(wrong preset or sizes?): " + _first(mismatched))
-    return fmt, mapping
+    if adapter is not None:
+        shapes = {lerobot_name(n): shape for n, shape in expected.items() if n != "lm_head.weight"}
+        linears = {key[:-len(".weight")]: shape for key, shape in shapes.items()
+                   if len(shape) == 2 and key.endswith(".weight") and not key.endswith(EMBED_TOKENS)}
+        adapter.check(linears, shapes, ignored=lambda module: bool(IGNORED.match(module[len("model."):] + ".weight")))
+    return fmt, mapping, adapter
+
+
+def lerobot_name(local: str) -> str:
+    """A parameter's name in LeRobot's PI05Policy (what a PEFT adapter of it names): the embedding is its
+    language model's embed_tokens (openpi names the tied tensor lm_head)."""
+    return "model." + (EMBED_TOKENS if local == "embed_tokens.weight" else openpi_name(local))
 
 
 def _first(problems: list[str], shown: int = 8) -> str:
     return "; ".join(problems[:shown]) + (f" ... and {len(problems) - shown} more" if len(problems) > shown else "")
 
 
+class LoadStopped(Exception):
+    """The load was stopped (load_pi05's `stop` set: Ctrl-C while a process starts)."""
+
+
 def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "cpu",
-              dtype: torch.dtype = torch.float32, islands: bool = True) -> Pi05:
+              dtype: torch.dtype = torch.float32, islands: bool = True, stop=None) -> Pi05:
     """Build the model for `cfg` and fill it from the checkpoint at `path` (directory or file), in `dtype`
-    except openpi's float32 islands (pi05.FLOAT32_ISLANDS) unless `islands` is False."""
-    fmt, mapping = check_weights(path, cfg)
+    except openpi's float32 islands (pi05.FLOAT32_ISLANDS) unless `islands` is False. `stop` (a
+    threading.Event): checked before each tensor, LoadStopped once it is set (a full π0.5 takes minutes to
+    read; a Ctrl-C must not wait for the rest)."""
+    fmt, mapping, adapter = _weights_and_adapter(path, cfg)
     with torch.device("meta"):
         model = Pi05(cfg)
     state, handles = {}, {}
     try:
+        if adapter is not None:
+            handles[adapter.weights] = _open(adapter.weights)
         for name in dict(model.named_parameters()):
+            if stop is not None and stop.is_set():
+                raise LoadStopped(f"loading {path} stopped")
             f, key = mapping[name]
             if f not in handles:
                 handles[f] = _open(f)
-            state[name] = handles[f].get_tensor(key).to(device=device, dtype=param_dtype(name, dtype, islands))
+            tensor = handles[f].get_tensor(key)
+            if adapter is not None:
+                tensor = adapter.merged(lerobot_name(name), tensor, handles[adapter.weights])
+            state[name] = tensor.to(device=device, dtype=param_dtype(name, dtype, islands))
         if "lm_head.weight" in mapping:
             f, key = mapping["lm_head.weight"]
             if f not in handles:
@@ -413,13 +467,19 @@ def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "c
         handles.clear()
     model.load_state_dict(state, strict=True, assign=True)
     if "lm_head.weight" in mapping:
-        diff = (head.float() - model.embed_tokens.weight.float()).abs().max().item()
+        diff = _max_difference(head, model.embed_tokens.weight)
         if diff > 0:
             model.lm_head = head
             log.warning(f"{path}: lm_head and embed_tokens differ (max |diff| {diff:.3g}): embedding with "
                         f"embed_tokens (as LeRobot does), text logits with lm_head")
     model.time_grid = fmt           # denoised on its format's flow-time grid (pi05.TIME_GRIDS)
     return model.eval().requires_grad_(False)
+
+
+def _max_difference(a: torch.Tensor, b: torch.Tensor, rows: int = 4096) -> float:
+    """max |a - b| in float32, a block of rows at a time (a full vocabulary is 2 GB in float32: never whole)."""
+    return max(((a[i:i + rows].float() - b[i:i + rows].float()).abs().max().item()
+                for i in range(0, a.shape[0], rows)), default=0.0)
 
 
 def save_checkpoint(model: Pi05, path: str | Path, fmt: str = "openpi") -> Path:
