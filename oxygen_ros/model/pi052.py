@@ -123,10 +123,11 @@ class JointPrompt:
     """The joint recipe's prompt tokens and their attention, as the branch's `encode_prompt_with_targets` and
     causal marks make them (`_apply_causal_language_marks` on openpi's cumulative attention blocks):
     `tokens[:bidir]` (BOS, `"User: {task}, State: ...;\\n"` and the span's `"Assistant:"`) attend to each other
-    and to the images: the same tokens, so the same K/V, as the subtask request
-    `joint_prompt(...) + "Assistant:"`; the next `causal` tokens (the subtask's) attend causally, as decoded
-    tokens do; the last `tail` tokens (EOS, then `"\\n"`) are one more block: they see each other, so EOS sees
-    the newline after it (not a plain causal span)."""
+    and to the images: the same tokens, so the same K/V, as the subtask request `joint_prompt(...) +
+    "Assistant:"`, except when the subtask's first piece does not carry its leading space (a lone space piece
+    then joins the bidirectional block, and the request's K/V is not the prompt's); the next `causal` tokens
+    (the subtask's) attend causally, as decoded tokens do; the last `tail` tokens (EOS, then `"\\n"`) are one
+    more block: they see each other, so EOS sees the newline after it (not a plain causal span)."""
     tokens: list[int]
     bidir: int
     causal: int
@@ -140,13 +141,18 @@ def joint_tokens(tokenizer: _SentencePiece, task: str, state: str | None, subtas
     offset-overlap rule): a piece joining the space after `"Assistant:"` to the first word is the subtask's."""
     head = joint_prompt(task, state) + "Assistant: "
     text = head + subtask
-    pieces = tokenizer.sp.encode(text, out_type="immutable_proto").pieces
+    ids = tokenizer.sp.encode(text)
     start, end = len(head.encode()), len(text.encode())
-    marked = [not (p.end <= start or p.begin >= end) for p in pieces]
-    bidir = 1 + (marked.index(True) if True in marked else len(pieces))
+    marked, begin = [], 0
+    for i in ids:               # each piece's bytes in the text (identity normalisation, byte fallback: no unk)
+        size = 1 if tokenizer.sp.is_byte(i) else len(tokenizer.sp.id_to_piece(i).replace("\u2581", " ").encode())
+        marked.append(not (begin + size <= start or begin >= end))
+        begin += size
+    if begin != end:
+        raise ValueError(f"pi052 joint prompt: the tokenizer does not keep the text as is ({begin} != {end} bytes)")
+    bidir = 1 + (marked.index(True) if True in marked else len(ids))
     newline = tokenizer.sp.encode("\n")
-    tokens = [tokenizer.bos_id] + [p.id for p in pieces] + [tokenizer.eos_id] + newline
-    return JointPrompt(tokens, bidir, sum(marked), 1 + len(newline))
+    return JointPrompt([tokenizer.bos_id] + ids + [tokenizer.eos_id] + newline, bidir, sum(marked), 1 + len(newline))
 
 
 def joint_span_tokens(tokenizer: _SentencePiece, subtask: str) -> list[int]:
@@ -308,3 +314,9 @@ def _recipe_has_memory(config: dict) -> bool:
     if not isinstance(path, str):
         raise ValueError(f"pi052 config: recipe_path must be a string, got {path!r}")
     return "_mem" in path.rsplit("/", 1)[-1]
+
+
+def checkpoint_format(config: dict) -> Pi052Format | None:
+    """The language format of a LeRobot checkpoint's config.json: a Pi052Format for `"type": "pi052"`, None for
+    any other type (a pi05 has no trained text). ValueError when a pi052 config's fields are wrong."""
+    return Pi052Format.from_config(config) if isinstance(config, dict) and config.get("type") == "pi052" else None
