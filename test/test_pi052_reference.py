@@ -206,25 +206,31 @@ def test_default_recipe_actions_are_the_branchs(model, ref):
     np.testing.assert_allclose(actions[0, :, :6].numpy(), ref["default_model_actions"], rtol=0, atol=TOLERANCE)
 
 
-def joint_actions(model, ref, prompt: pi052.JointPrompt) -> np.ndarray:
-    """The joint recipe's prefix built as the engine forks it: the prompt's bidirectional block (a prefill),
-    the subtask's tokens (causal, as decoded), then EOS and the newline (one block); then the actions."""
+def actions_over(model, ref, tokens: list[int], blocks: list[tuple[int, int]]) -> np.ndarray:
+    """Actions over the images and `tokens`, prefilled block by block: each (n, bidir) appends n tokens, the
+    first `bidir` of them seeing each other (the first block's with the images), the rest causal."""
     n_image = CONFIG.image_tokens
-    total = n_image + len(prompt.tokens)
+    total = n_image + len(tokens)
     cache = ContiguousCache(model, total + 16)
-    blocks = cache.allocate(total)
+    pool = cache.allocate(total)
     backend = default_backend(model.device)
-    head = n_image + prompt.bidir
-    model.prefill([PrefixRow(images(ref), torch.tensor(prompt.tokens[:prompt.bidir]))],
-                  CachedAttention(cache.kv, [CachedRow(head, Segment(blocks, head), bidir=head)], backend, model.device))
-    done = head
-    for n, bidir in ((prompt.causal, 0), (prompt.tail, prompt.tail)):
-        new = prompt.tokens[done - n_image:done - n_image + n]
-        model.extend(torch.tensor(new), CachedAttention(cache.kv, [CachedRow(n, Segment(blocks, done + n), bidir=bidir)],
+    (n, _), done = blocks[0], n_image + blocks[0][0]
+    model.prefill([PrefixRow(images(ref), torch.tensor(tokens[:n]))],
+                  CachedAttention(cache.kv, [CachedRow(done, Segment(pool, done), bidir=done)], backend, model.device))
+    for n, bidir in blocks[1:]:
+        new = tokens[done - n_image:done - n_image + n]
+        model.extend(torch.tensor(new), CachedAttention(cache.kv, [CachedRow(n, Segment(pool, done + n), bidir=bidir)],
                                                         backend, model.device))
         done += n
     assert done == total
-    return sample_actions(model, cache, [Segment(blocks, total)], torch.from_numpy(ref["noise"])[None])[0, :, :6].numpy()
+    return sample_actions(model, cache, [Segment(pool, total)], torch.from_numpy(ref["noise"])[None])[0, :, :6].numpy()
+
+
+def joint_actions(model, ref, prompt: pi052.JointPrompt) -> np.ndarray:
+    """The joint recipe's prefix built as the engine can fork it: the prompt's bidirectional block (a
+    prefill), the subtask's tokens (causal, as decoded), then EOS and the newline (one block)."""
+    return actions_over(model, ref, prompt.tokens, [(prompt.bidir, prompt.bidir), (prompt.causal, 0),
+                                                    (prompt.tail, prompt.tail)])
 
 
 def test_joint_recipe_subtask_and_actions_are_the_branchs(model, ref):
@@ -246,10 +252,7 @@ def test_a_plain_causal_span_is_not_the_joint_recipe(model, ref):
     """The span `"Assistant: {subtask}" EOS "\\n"` attended purely causally after a bidirectional prompt (the
     header outside the prompt's block, EOS blind to the newline): not what the branch computes."""
     state = pi052.state_text(ref["state_normalized"])
-    subtask = str(ref["joint_subtask_text"])
-    tokens = encode(pi052.joint_prompt("put the cups away", state)) + pi052.joint_span_tokens(TOK, subtask)
-    span = len(tokens) - len(encode(pi052.joint_prompt("put the cups away", state)))
-    cache = ContiguousCache(model, CONFIG.image_tokens + len(tokens) + 16)
-    pre = prefill(model, cache, [PrefixRow(images(ref), torch.tensor(tokens), causal=span)])
-    actions = sample_actions(model, cache, pre.segments, torch.from_numpy(ref["noise"])[None])[0, :, :6].numpy()
+    prompt = encode(pi052.joint_prompt("put the cups away", state))
+    span = pi052.joint_span_tokens(TOK, str(ref["joint_subtask_text"]))
+    actions = actions_over(model, ref, prompt + span, [(len(prompt), len(prompt)), (len(span), 0)])
     assert np.abs(actions - ref["joint_model_actions"]).max() > 10 * TOLERANCE
