@@ -12,6 +12,11 @@ holding the newest joint command. Each episode has two phases:
 Episode k's layout and named cube are drawn from seed (seed, k), as the in-process evaluation draws its
 episode k (oxygen_ros/eval.py): the same seed gives the same scenes on both paths.
 
+`multistep=True`: each episode is a 2-3 step task (sim/tasks.py: "touch the red cube, then the blue one",
+"touch every cube from left to right"), drawn as the multi-step evaluation draws it, judged step by step
+(a touched cube darkens), with `episode_s` per step; `subtask` and `memory` are the simulator's truth of the
+current step, against which the demo judges the model's own.
+
 Around each ready phase the node switches the policy's output off and on again (ResetSwitch), as an
 operator resetting a scene does: the engine then knows the chunks are not played, and real-time chunking
 does not continue them across the reset (docs/rtc.md).
@@ -25,7 +30,8 @@ import numpy as np
 from oxygen_ros.robot.errors import ActionError
 
 from .questions import Question, scene_questions
-from .scene import CONTROL_PERIOD_S, JOINT_NAMES, Layout, ReachScene, draw_episode, task_prompt
+from .scene import CONTROL_PERIOD_S, JOINT_NAMES, Layout, ReachScene, draw_episode
+from .tasks import StepJudge, draw_multistep_episode, named_task, progress_memory, subtask_text
 
 MAX_CATCH_UP_STEPS = 35     # after a stall (a slow render, a busy CPU) jump ahead instead of racing
 
@@ -37,10 +43,13 @@ class EpisodeOutcome:
     success: bool
     seconds: float          # simulated time from the start of the running phase
     distance_cm: float      # tip to the named cube's touch point at the end
+    steps_done: int = 1
+    steps: int = 1
 
     def line(self) -> str:
         result = f"touched in {self.seconds:.2f} s" if self.success else f"timed out {self.distance_cm:.1f} cm away"
-        return f"episode {self.index}: '{self.prompt}': {result}"
+        steps = f" ({self.steps_done}/{self.steps} steps)" if self.steps > 1 else ""
+        return f"episode {self.index}: '{self.prompt}': {result}{steps}"
 
 
 @dataclass
@@ -78,9 +87,10 @@ class ResetSwitch:
 
 
 class ReachEpisodes:
-    def __init__(self, seed: int = 0, image_size: int = 64, episode_s: float = 4.0, pause_s: float = 0.7):
+    def __init__(self, seed: int = 0, image_size: int = 64, episode_s: float = 4.0, pause_s: float = 0.7,
+                 multistep: bool = False):
         self.scene = ReachScene(image_size)
-        self.seed = seed
+        self.seed, self.multistep = seed, multistep
         # Questions never shift the episodes: their own stream, not one of the per-episode seeds (seed, k).
         self._question_rng = np.random.default_rng([seed, 1 << 20])
         self.episode_s, self.pause_s = episode_s, pause_s
@@ -101,7 +111,22 @@ class ReachEpisodes:
 
     @property
     def prompt(self) -> str:
-        return task_prompt(self.layout.colours[self.target])
+        return self.task.text
+
+    @property
+    def target(self) -> int:
+        """The cube of the current step."""
+        return self.judge.target if self.judge.target is not None else self.task.order[-1]
+
+    @property
+    def subtask(self) -> str:
+        """The current step's subtask, from the simulator (the truth the model's subtask is judged against)."""
+        return subtask_text(self.layout, self.task, self.judge.done)
+
+    @property
+    def memory(self) -> str:
+        """The progress so far, from the simulator ("red touched; next: blue"; "" before the first step)."""
+        return progress_memory(self.layout, self.task, self.judge.done)
 
     def joints(self) -> np.ndarray:
         return self.scene.joints()
@@ -118,7 +143,8 @@ class ReachEpisodes:
         return self.outcomes[-1].line() if self.outcomes else ""
 
     def status(self) -> str:
-        return (f"task '{self.prompt}' (tip {self.scene.distance_to(self.target) * 100:.0f} cm away"
+        steps = f"step {self.judge.done + 1}/{self.task.steps}, " if self.task.steps > 1 else ""
+        return (f"task '{self.prompt}' ({steps}tip {self.scene.distance_to(self.target) * 100:.0f} cm away"
                 f"{'' if self.running else ', getting ready'}) | episodes {self.tally.line()}") + (
             f", last: {self.last_outcome}" if self.last_outcome else "")
 
@@ -177,10 +203,12 @@ class ReachEpisodes:
                 continue
             self.scene.step(self.command if self.command is not None else self.layout.start)
             elapsed = self.scene.time - self._episode_start
-            if self.scene.touching() == self.target:
+            if self.judge.update(self.scene.touching(), int(round(elapsed / CONTROL_PERIOD_S))):
+                self.scene.mark_touched(self.task.order[self.judge.done - 1])
+            if self.judge.finished:
                 self._finish(True, elapsed)
                 announce = True
-            elif elapsed >= self.episode_s:
+            elif elapsed >= self.episode_s * self.task.steps:
                 self._finish(False, elapsed)
                 announce = True
         return announce
@@ -189,15 +217,21 @@ class ReachEpisodes:
         self.tally.episodes += 1
         self.tally.successes += success
         self.outcomes.append(EpisodeOutcome(self.episode_index, self.prompt, success, round(elapsed, 3),
-                                            round(self.scene.distance_to(self.target) * 100, 1)))
+                                            round(self.scene.distance_to(self.target) * 100, 1),
+                                            self.judge.done, self.task.steps))
         self._new_episode()
         self._ready_until = self._clock + self.pause_s
 
     def _new_episode(self) -> None:
         self.episode_index += 1
-        episode = draw_episode(self.seed, self.episode_index)
-        self.target = episode.target
-        self.scene.reset(episode.layout)
+        if self.multistep:
+            drawn = draw_multistep_episode(self.seed, self.episode_index)
+            layout, self.task = drawn.layout, drawn.task
+        else:       # a one-step task: "touch the red cube"
+            episode = draw_episode(self.seed, self.episode_index)
+            layout, self.task = episode.layout, named_task(episode.layout, (episode.target,))
+        self.judge = StepJudge(self.task)
+        self.scene.reset(layout)
         self.command = None          # hold the start pose until the policy's first command for this task
 
     def close(self) -> None:

@@ -34,6 +34,9 @@ UPPER_LIMITS = np.array([1.6, 1.7, 2.6])
 COLOURS = {"red": (0.9, 0.1, 0.1), "green": (0.1, 0.75, 0.15), "blue": (0.1, 0.25, 0.95),
            "yellow": (0.95, 0.85, 0.1)}
 COLOUR_NAMES = tuple(COLOURS)
+# A touched cube of a multi-step task darkens, as a pressed button would (sim/tasks.py): the progress is in
+# the camera image. Its colour is still its colour (questions, captions), only darker.
+TOUCHED_SHADE = 0.4
 MAX_CUBES = 3
 CUBE_HALF = 0.025
 TOUCH_RADIUS = 0.04                 # tip within 4 cm of the cube's top centre = touched
@@ -143,6 +146,11 @@ class ReachScene:
                 self.data.mocap_pos[self._mocap[i]] = HIDDEN
         self.layout = layout
         self.set_joints(layout.start)
+
+    def mark_touched(self, cube: int) -> None:
+        """Darken cube `cube` (a step of a multi-step task done); `reset` restores every colour."""
+        colour = np.array(COLOURS[self.layout.colours[cube]]) * TOUCHED_SHADE
+        self.model.geom_rgba[self._cube_geoms[cube]] = (*colour, 1.0)
 
     def set_joints(self, q: np.ndarray) -> None:
         """Put the arm at q at rest (data generation, resets); the servo targets follow."""

@@ -6,6 +6,12 @@ A batch of B rows is packed as the model expects ([T, width], row after row); at
 [B, L] with a boolean mask (same row, key valid, and key < bidir or key <= query), i.e. the π0.5 prefix
 rule of kernels/ops.py. The VLM forward keeps each layer's prefix K/V so that the action expert, run
 next, attends to it exactly as it attends to the pool's prefix blocks when serving.
+
+Forks (the joint hierarchical format): a row may end with causal branches that each continue the row's
+bidirectional part on their own, as the engine decodes every text request from the end of a frame's prompt
+(a subtask, a memory, a question): a fork's tokens see the first `bidir` tokens and the fork's own earlier
+tokens, never the row's causal trunk (the subtask span the actions read) or another fork, and its positions
+start at `bidir`, where the engine's extension of the frame starts.
 """
 from __future__ import annotations
 
@@ -18,17 +24,34 @@ class TrainPrefixAttention:
     the rest causal; the action expert will read its first `prefix[b]` tokens (images + prompt).
     `read`: the packed indices whose final hidden states the forward returns (the LM loss positions)."""
 
-    def __init__(self, lengths: list[int], bidir: list[int], prefix: list[int], read: torch.Tensor):
-        self.lengths, self.prefix = lengths, prefix
+    def __init__(self, lengths: list[int], bidir: list[int], prefix: list[int], read: torch.Tensor,
+                 forks: list[list[int]] | None = None):
+        """`forks[b]`: the lengths of row b's forks, which end the row (after its trunk); see the module."""
+        forks = forks or [[] for _ in lengths]
+        self.lengths, self.bidir, self.prefix, self.forks = lengths, bidir, prefix, forks
         b, l_max = len(lengths), max(lengths)
         self.pack = torch.cat([torch.arange(n) + i * l_max for i, n in enumerate(lengths)])
-        self.positions = torch.cat([torch.arange(n) for n in lengths])
+        segment = torch.zeros(b, l_max, dtype=torch.long)       # 0: the trunk, k: the row's fork k
+        positions = []
+        for r, (n, d, row_forks) in enumerate(zip(lengths, bidir, forks)):
+            trunk = n - sum(row_forks)
+            if trunk < d or trunk < prefix[r]:
+                raise ValueError(f"row {r}: forks of {row_forks} tokens leave a trunk of {trunk}, shorter than "
+                                 f"its bidirectional part ({d}) or what the actions read ({prefix[r]})")
+            parts, start = [torch.arange(trunk)], trunk
+            for k, f in enumerate(row_forks, 1):
+                parts.append(torch.arange(d, d + f))
+                segment[r, start:start + f] = k
+                start += f
+            positions.append(torch.cat(parts))
+        self.positions = torch.cat(positions)
         self.last_token = read
         i = torch.arange(l_max)[:, None]
         j = torch.arange(l_max)[None, :]
         n = torch.tensor(lengths)[:, None, None]
         d = torch.tensor(bidir)[:, None, None]
-        self.mask = ((j < n) & ((j < d) | (j <= i)))[:, None]          # [B, 1, L, L]
+        same = segment[:, :, None] == segment[:, None, :]                 # [B, L(query), L(key)]
+        self.mask = ((j < n) & ((j < d) | ((j <= i) & same)))[:, None]    # [B, 1, L, L]
         self.mask |= torch.eye(l_max, dtype=torch.bool)                # padding queries see themselves
         self.b, self.l_max = b, l_max
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> padded [B, kvh, L, hd]

@@ -1,6 +1,7 @@
 """Training batches: per sample, the π0.5 prefix (image + "Task: touch the <colour> cube, State: ...;
 \\nAction: "), one scene question with its ground-truth answer (next-token loss on the answer and EOS), and
-the expert's action chunk as deltas from the state, normalised (flow-matching loss)."""
+the expert's action chunk as deltas from the state, normalised (flow-matching loss). `make_joint_batch`: the
+hierarchical demo model's rows (pi052's joint format: subtask, progress memory and questions as forks)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,13 +9,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from oxygen_ros.model import pi052
 from oxygen_ros.model.normalize import EPS, Normalizer
 from oxygen_ros.model.pi05 import PrefixRow
 from oxygen_ros.model.preprocess import to_pixels
 from oxygen_ros.model.tokenizer import Tokenizer
 from oxygen_ros.sim.expert import expert_chunk, inverse_kinematics
 from oxygen_ros.sim.questions import scene_questions
-from oxygen_ros.sim.scene import COLOUR_NAMES, COLOURS, Layout, task_prompt, touch_point
+from oxygen_ros.sim.scene import COLOUR_NAMES, COLOURS, TOUCHED_SHADE, Layout, task_prompt, touch_point
+from oxygen_ros.sim.tasks import ORDERS, MultiStepTask, named_task, progress_memory, spatial_task, subtask_text
 
 from .attention import TrainPrefixAttention
 
@@ -95,8 +98,13 @@ def patch_colours(images: np.ndarray, patch: int, min_pixels: int = 3) -> np.nda
     the only saturated colours in the scene. [N, H, W, 3] uint8 -> [N, patches] (row-major, as SigLIP)."""
     n, h, w, _ = images.shape
     rgb = np.array([COLOURS[c] for c in COLOUR_NAMES]) * 255.0
-    close = np.abs(images[:, :, :, None, :].astype(np.float32) - rgb).max(-1) < 70      # [N, H, W, C]
-    counts = close.reshape(n, h // patch, patch, w // patch, patch, -1).sum(axis=(2, 4)).reshape(n, -1, len(rgb))
+    rgb = np.concatenate([rgb, rgb * TOUCHED_SHADE])          # a touched cube (multi-step tasks) is darker
+    pixels = images.astype(np.float32)
+    close = np.abs(pixels[:, :, :, None, :] - rgb).max(-1) < 70      # [N, H, W, 2C]
+    # The dark shades are near the arm's greys: a touched cube's pixels are also strongly coloured.
+    close[..., len(COLOUR_NAMES):] &= (pixels.max(-1) - pixels.min(-1) > 50)[..., None]
+    counts = close.reshape(n, h // patch, patch, w // patch, patch, 2, -1).sum(axis=(2, 4, 5))
+    counts = counts.reshape(n, -1, len(COLOUR_NAMES))
     return np.where(counts.max(-1) >= min_pixels, counts.argmax(-1) + 1, 0)
 
 
@@ -147,3 +155,73 @@ def _goals(data: dict[str, np.ndarray], i: int) -> tuple[np.ndarray, list[np.nda
     goals = [inverse_kinematics(touch_point(p)) for p in layout.positions]
     target = int(data["target"][i])
     return goals[target], goals[:target] + goals[target + 1:]
+
+
+# The joint hierarchical format (LeRobot pi052's joint recipe, model/pi052.py), the hierarchical demo model's:
+# one prefill per frame, every text a causal fork at the end of its prompt.
+TASK_ONLY_RATE = 0.15       # samples whose actions read the task as their span: what the engine serves before a
+                            # robot's first subtask exists (LeRobot's fallback), and the task-only comparison
+
+
+def task_of(data: dict[str, np.ndarray], i: int) -> MultiStepTask:
+    """Sample i's multi-step task (data.generate_multistep_shard's labels)."""
+    layout = layout_of(data, i)
+    kind = ORDERS[int(data["kind"][i])]
+    if kind == "named":
+        return named_task(layout, tuple(int(c) for c in data["order"][i] if c >= 0))
+    return spatial_task(layout, kind)
+
+
+def make_joint_batch(data: dict[str, np.ndarray], index: np.ndarray, tok: Tokenizer, norm: Normalizer,
+                     rng: np.random.Generator, image_size: int, image_tokens: int, max_token_len: int) -> Batch:
+    """Per sample one row: the trunk is the images, the bidirectional prompt `"User: {task}, State: ...;\\n"`
+    and the causal span `"Assistant: {subtask}" EOS "\\n"` that the actions read (the task instead of the
+    subtask for TASK_ONLY_RATE of the samples); the subtask's tokens and EOS in the span are its text targets,
+    which is the subtask request `"Assistant:"` forked from the prompt, since the span is causal. Then forks
+    (training/attention.py): a scene question and its answer; when a step is done, the memory request
+    (pi052's memory turns after the task's) and the progress memory."""
+    rows, lengths, bidir, prefix, forks, read, targets = [], [], [], [], [], [], []
+    generation_prompt = tok.encode(pi052.GENERATION_PROMPT)       # the subtask request after the prompt
+    offset = 0
+    for i in index:
+        layout, task, done = layout_of(data, i), task_of(data, i), int(data["done"][i])
+        subtask = subtask_text(layout, task, done)
+        state = norm.normalize_state(data["state"][i])
+        prompt = tok.encode(pi052.joint_prompt(task.text, pi052.state_text(state)), bos=True)
+        if len(prompt) > max_token_len:
+            raise ValueError(f"task {task.text!r}: its prompt is {len(prompt)} tokens, the model reads {max_token_len}")
+        n_prompt = image_tokens + len(prompt)
+        task_only = rng.random() < TASK_ONLY_RATE
+        span = pi052.joint_span_tokens(tok, task.text if task_only else subtask)
+        if span[:len(generation_prompt)] != generation_prompt:
+            raise ValueError(f"the span of {subtask!r} does not begin with the tokens of the subtask request")
+        if not task_only:     # the subtask and EOS, each predicted from the token before it
+            first = offset + n_prompt + len(generation_prompt) - 1
+            read.extend(range(first, first + len(span) - len(generation_prompt) - 1))
+            targets.extend(span[len(generation_prompt):-1])
+        row_forks, fork_tokens, start = [], [], n_prompt + len(span)
+        question = scene_questions(layout, data["tip"][i].astype(np.float64), rng)
+        q = question[int(rng.integers(len(question)))]
+        text_forks = [(tok.encode(QUESTION_TEMPLATE.format(text=q.text)), tok.encode(q.answer) + [tok.eos_id])]
+        if done:
+            request = pi052.render(pi052.memory_messages(task.text, progress_memory(layout, task, done - 1),
+                                                         subtask_text(layout, task, done - 1))[1:])
+            text_forks.append((tok.encode(request), tok.encode(" " + progress_memory(layout, task, done))
+                               + [tok.eos_id]))
+        for asked, answer in text_forks:
+            first = offset + start + len(asked) - 1
+            read.extend(range(first, first + len(answer)))
+            targets.extend(answer)
+            fork_tokens += asked + answer
+            row_forks.append(len(asked) + len(answer))
+            start += len(asked) + len(answer)
+        rows.append(PrefixRow(to_pixels(data["image"][i], image_size)[None], torch.tensor(prompt + span + fork_tokens)))
+        lengths.append(start)
+        bidir.append(n_prompt)
+        prefix.append(n_prompt + len(span))
+        forks.append(row_forks)
+        offset += start
+    actions = normalize_actions(norm, action_deltas({"chunk": data["chunk"][index], "state": data["state"][index]}))
+    patch = int(image_size / image_tokens ** 0.5)
+    return Batch(rows, TrainPrefixAttention(lengths, bidir, prefix, torch.tensor(read), forks), torch.tensor(targets),
+                 torch.tensor(actions, dtype=torch.float32), torch.tensor(patch_colours(data["image"][index], patch)))

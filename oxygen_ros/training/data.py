@@ -22,6 +22,7 @@ import numpy as np
 
 from oxygen_ros.sim.expert import expert_chunk, inverse_kinematics
 from oxygen_ros.sim.scene import COLOUR_NAMES, MAX_CUBES, Layout, ReachScene, touch_point
+from oxygen_ros.sim.tasks import ORDERS, StepJudge, draw_task
 
 SHARD_SIZE = 500
 SAMPLES_PER_EPISODE = 6
@@ -113,6 +114,48 @@ def generate_policy_shard(seed: int, shard: int, checkpoint: Path, size: int = S
     return _arrays(out)
 
 
+# Multi-step tasks (sim/tasks.py): the expert touches the task's cubes in order, each touched cube darkens;
+# every sample is labelled with the step it was taken in (its subtask and progress memory are derived from
+# the task's order and that step at training time). Episodes end when the last cube is touched.
+MULTISTEP_STEPS_PER_TASK_STEP = 110     # the expert reaches a cube in ~40-90 ticks
+MULTISTEP_SAMPLE_RATE = 1 / 14          # samples per tick (~6 per step)
+
+
+def generate_multistep_shard(seed: int, shard: int, image_size: int, horizon: int,
+                             size: int = SHARD_SIZE) -> dict[str, np.ndarray]:
+    """Closed-loop episodes of the scripted expert on multi-step tasks (1 to 3 steps, named or spatial),
+    executed as generate_shard executes them (a chunk every 1-10 ticks, its offset and per-tick noise)."""
+    rng = np.random.default_rng([seed, shard, 2])
+    scene = ReachScene(image_size)
+    out = {k: [] for k in ("image", "state", "chunk", "target", "colours", "positions", "tip", "order", "done",
+                           "kind")}
+    while len(out["image"]) < size:
+        layout = Layout.random(rng)
+        scene.reset(layout)
+        task = draw_task(layout, rng, min_steps=1)
+        judge = StepJudge(task)
+        replan = int(rng.integers(REPLAN_RANGE[0], REPLAN_RANGE[1] + 1))
+        order = np.full(MAX_CUBES, -1)
+        order[:task.steps] = task.order
+        for step in range(MULTISTEP_STEPS_PER_TASK_STEP * task.steps):
+            if judge.update(scene.touching(), step):
+                scene.mark_touched(task.order[judge.done - 1])
+            if judge.finished:
+                break
+            q = scene.joints()
+            chunk = expert_chunk(q, inverse_kinematics(touch_point(layout.positions[judge.target])), horizon)
+            if step % replan == 0:
+                executed, offset = chunk, rng.normal(0.0, CHUNK_OFFSET_NOISE, size=3)
+            if rng.random() < MULTISTEP_SAMPLE_RATE and len(out["image"]) < size:
+                _add_sample(out, scene, q, chunk, _scene_truth(layout, judge.target))
+                out["order"].append(order)
+                out["done"].append(judge.done)
+                out["kind"].append(ORDERS.index(task.kind))
+            scene.step(executed[step % replan] + offset + rng.normal(0.0, COMMAND_NOISE, size=3))
+    scene.close()
+    return _arrays(out)
+
+
 def _scene_truth(layout: Layout, target: int) -> dict[str, np.ndarray | int]:
     """A sample's ground truth of its scene: the named cube, colour indices and positions padded to MAX_CUBES."""
     colours = np.full(MAX_CUBES, -1)
@@ -132,13 +175,16 @@ def _add_sample(out: dict[str, list], scene: ReachScene, state: np.ndarray, chun
 
 
 def _arrays(out: dict[str, list]) -> dict[str, np.ndarray]:
-    return {k: np.stack(v).astype(np.uint8 if k == "image" else np.float32 if k != "target" and k != "colours"
-                                  else np.int64) for k, v in out.items()}
+    ints = ("target", "colours", "order", "done", "kind")
+    return {k: np.stack(v).astype(np.uint8 if k == "image" else np.int64 if k in ints else np.float32)
+            for k, v in out.items()}
 
 
 def generate(out_dir: Path, samples: int, seed: int = 0, image_size: int = 64, horizon: int = 20,
-             shard_size: int = SHARD_SIZE, policy: Path | None = None, log=print) -> list[Path]:
-    """`policy`: that checkpoint's rollouts (generate_policy_shard) instead of the expert's."""
+             shard_size: int = SHARD_SIZE, policy: Path | None = None, multistep: bool = False,
+             log=print) -> list[Path]:
+    """`policy`: that checkpoint's rollouts (generate_policy_shard) instead of the expert's; `multistep`: the
+    expert on multi-step tasks (generate_multistep_shard)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = -(-samples // shard_size)
@@ -146,8 +192,12 @@ def generate(out_dir: Path, samples: int, seed: int = 0, image_size: int = 64, h
     for k in range(shards):
         path = out_dir / f"shard_{k:05d}.npz"
         if not path.exists():                 # resumable: finished shards are kept
-            data = (generate_shard(seed, k, image_size, horizon, shard_size) if policy is None
-                    else generate_policy_shard(seed, k, Path(policy), shard_size))
+            if policy is not None:
+                data = generate_policy_shard(seed, k, Path(policy), shard_size)
+            elif multistep:
+                data = generate_multistep_shard(seed, k, image_size, horizon, shard_size)
+            else:
+                data = generate_shard(seed, k, image_size, horizon, shard_size)
             tmp = path.with_suffix(".tmp.npz")
             np.savez(tmp, **data)
             tmp.rename(path)
@@ -172,10 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", type=Path, default=None,
                    help="a checkpoint directory: its own rollouts (execution naive or rtc, delay 0..6 ticks; rtc "
                         "by prefix conditioning if the checkpoint was trained for it), labelled by the expert (DAgger)")
+    p.add_argument("--multistep", action="store_true",
+                   help="multi-step tasks (1-3 steps, named or every cube left to right / right to left), each sample "
+                        "labelled with its step (the hierarchical demo model's data)")
     a = p.parse_args(argv)
+    if a.policy is not None and a.multistep:
+        p.error("--policy and --multistep: one kind of data per directory")
     if a.policy is not None and not (a.policy / "model.safetensors").is_file():
         p.error(f"--policy {a.policy}: no model.safetensors there")
-    generate(a.out, a.samples, a.seed, a.image_size, a.horizon, policy=a.policy)
+    generate(a.out, a.samples, a.seed, a.image_size, a.horizon, policy=a.policy, multistep=a.multistep)
     return 0
 
 

@@ -12,6 +12,10 @@ Or fine-tune trained weights: `--init DIR --train expert` trains only the action
 any `--extra-data` (e.g. the model's own rollouts, `oxygen_ros.training.data --policy`: DAgger), with
 `--prefix-delay-max 10` with prefix conditioning (training-time real-time chunking); the shipped demo_rtc
 is made so (docs/demo_model.md).
+
+`--joint`: the hierarchical demo model (docs/demo_model.md): multi-step data (`data --multistep`) in pi052's
+joint format (training/batches.py: make_joint_batch), the subtask, the progress memory and the scene answers
+as text, the actions read the prompt and the subtask span.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ from oxygen_ros.sim.scene import COLOUR_NAMES
 
 from . import data as datagen
 from .attention import TrainActionAttention
-from .batches import Batch, make_batch, norm_stats
+from .batches import Batch, make_batch, make_joint_batch, norm_stats
 
 
 def init_weights(model: Pi05, seed: int) -> Pi05:
@@ -77,6 +81,10 @@ def flow_matching_loss(model: Pi05, batch: Batch, gen: torch.Generator) -> torch
     free = (~given)[..., None].float()
     return (error * free).sum() / (free.sum() * a.shape[-1])
 
+
+# What a joint-format checkpoint's config.json names as its recipe: LeRobot pi052's subtask + memory recipe, the
+# one whose memory turns the progress memory follows (Pi052Format.from_config reads memory from the name).
+JOINT_RECIPE = "recipes/subtask_mem.yaml"
 
 # The action expert's parameters: what --train expert fine-tunes (the VLM, SigLIP and their K/V stay as they are).
 EXPERT_PARAMETERS = ("expert_layers.", "expert_norm.", "action_in_proj.", "action_out_proj.", "time_mlp_in.",
@@ -139,14 +147,18 @@ class Trainer:
 
     def __init__(self, cfg: Pi05Config, data: dict[str, np.ndarray], out: Path, batch_size: int, steps: int,
                  lr: float, seed: int, log=print, restart: tuple[int, float] | None = None,
-                 init: Path | None = None, expert_only: bool = False, prefix_delay_max: int = 0):
+                 init: Path | None = None, expert_only: bool = False, prefix_delay_max: int = 0,
+                 joint: bool = False):
         if expert_only and init is None:
             raise ValueError("training the expert alone needs a trained model to start from (init)")
+        if joint and (expert_only or prefix_delay_max):
+            raise ValueError("the joint format trains the whole model without prefix conditioning")
         if prefix_delay_max < 0 or prefix_delay_max >= cfg.action_horizon:
             raise ValueError(f"prefix_delay_max must be in 0..{cfg.action_horizon - 1}, got {prefix_delay_max}")
         self.cfg = cfg.replace(prefix_conditioning=bool(prefix_delay_max) or cfg.prefix_conditioning)
         self.data, self.out, self.log = data, Path(out), log
         self.restart, self.expert_only, self.prefix_delay_max = restart, expert_only, prefix_delay_max
+        self.joint = joint
         self.batch_size, self.steps, self.lr, self.seed = batch_size, steps, lr, seed
         self.out.mkdir(parents=True, exist_ok=True)
         stats = (json.loads((Path(init) / "norm_stats.json").read_text()) if init is not None
@@ -200,8 +212,12 @@ class Trainer:
     def batch(self, step: int) -> tuple[Batch, torch.Generator]:
         rng = np.random.default_rng([self.seed, step])
         index = rng.choice(len(self.data["image"]), size=self.batch_size, replace=False)
-        b = make_batch(self.data, index, self.tok, self.norm, rng, self.cfg.vision.image_size,
-                       self.cfg.image_tokens, self.cfg.max_token_len, self.prefix_delay_max)
+        if self.joint:
+            b = make_joint_batch(self.data, index, self.tok, self.norm, rng, self.cfg.vision.image_size,
+                                 self.cfg.image_tokens, self.cfg.max_token_len)
+        else:
+            b = make_batch(self.data, index, self.tok, self.norm, rng, self.cfg.vision.image_size,
+                           self.cfg.image_tokens, self.cfg.max_token_len, self.prefix_delay_max)
         return b, torch.Generator().manual_seed(self.seed * 1_000_003 + step)
 
     def train_step(self) -> tuple[float, float, float]:
@@ -243,6 +259,8 @@ class Trainer:
         config = {"action_horizon": self.cfg.action_horizon, "action_dim": self.cfg.action_dim}
         if self.cfg.prefix_conditioning:
             config["prefix_conditioning"] = True
+        if self.joint:      # pi052's joint recipe with progress memory (model/pi052.py: Pi052Format.from_config)
+            config.update(joint_subtask_conditioning=True, recipe_path=JOINT_RECIPE)
         (self.out / "config.json").write_text(json.dumps(config))
         (self.out / "losses.json").write_text(json.dumps(self.history, indent=0))
         return path
@@ -293,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra-data", type=Path, nargs="+", default=[],
                    help="directories of shards trained on with --data's (e.g. a checkpoint's own rollouts: "
                         "oxygen_ros.training.data --policy)")
+    p.add_argument("--joint", action="store_true",
+                   help="the hierarchical demo model: multi-step data (rendered with data --multistep if missing) in "
+                        "pi052's joint format: subtask, progress memory and scene answers as text forks of the frame's "
+                        "prompt, the actions reading the subtask span")
     p.add_argument("--prefix-delay-max", type=int, default=0,
                    help="prefix conditioning (training-time RTC): each sample's first 0..N rows given clean, "
                         "the loss on the others; the checkpoint then serves rtc_correction prefix")
@@ -313,11 +335,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--extra-data {' '.join(empty)}: no shard_*.npz there")
     torch.set_num_threads(a.threads)
     cfg = preset("demo")
-    paths = datagen.generate(a.data, a.samples, a.seed, cfg.vision.image_size, cfg.action_horizon)
+    if a.joint and (a.train == "expert" or a.prefix_delay_max or a.extra_data):
+        p.error("--joint trains the whole model on multi-step data alone (no --train expert, --prefix-delay-max, "
+                "--extra-data)")
+    paths = datagen.generate(a.data, a.samples, a.seed, cfg.vision.image_size, cfg.action_horizon,
+                             multistep=a.joint)
     restart = None if a.restart_at is None else (a.restart_at, a.restart_lr)
     paths += [shard for shards in extra.values() for shard in shards]
     trainer = Trainer(cfg, datagen.load(paths), a.out, a.batch, a.steps, a.lr, a.seed, restart=restart,
-                      init=a.init, expert_only=a.train == "expert", prefix_delay_max=a.prefix_delay_max)
+                      init=a.init, expert_only=a.train == "expert", prefix_delay_max=a.prefix_delay_max,
+                      joint=a.joint)
     plot_losses(trainer.run(until=a.until), a.out / "losses.png")
     print(trainer.export())
     return 0
