@@ -233,3 +233,17 @@ def test_joint_training_rows_compute_what_the_serving_path_computes(multistep_da
     for segments in (extended, prefilled):
         v = model.denoise_step(noise, t, ActionAttention(cache.kv, segments, CFG.action_horizon, "torch", "cpu"))
         torch.testing.assert_close(v_train, v, atol=1e-5, rtol=1e-5)
+
+
+def test_fine_tuning_the_whole_model_from_trained_weights_trains_every_part(multistep_data, tmp_path):
+    """--init without --train expert: the loader's serving model has no gradients; every part must train."""
+    from oxygen_ros.robot.configs import demo_checkpoint
+    from oxygen_ros.training.train import Trainer
+
+    torch.manual_seed(0)
+    trainer = Trainer(CFG, multistep_data, tmp_path, 4, 10, 1e-3, 0, init=demo_checkpoint(), joint=True)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.step = 50           # past the warm-up: a full learning rate
+    trainer.train_step()
+    moved = {n.split(".")[0] for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert {"vision", "embed_tokens", "vlm_layers", "expert_layers", "action_out_proj"} <= moved

@@ -168,8 +168,8 @@ class Trainer:
         self.tok = Tokenizer.tiny()
         if init is None:
             self.model = init_weights(Pi05(self.cfg), seed).train()
-        else:
-            self.model = load_pi05(Path(init), self.cfg).train()
+        else:       # the loader gives a serving model (no gradients): every parameter trains unless expert_only
+            self.model = load_pi05(Path(init), self.cfg).train().requires_grad_(True)
         self.probe = None if expert_only else PatchColourProbe(cfg.vision.width, 1 + len(COLOUR_NAMES))
         if expert_only:
             for name, p in self.model.named_parameters():
