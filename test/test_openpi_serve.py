@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import msgpack
@@ -306,8 +307,7 @@ def test_language_on_the_socket():
         reply = policy.infer({"question": "What is on the table?", "max_tokens": 5})
         assert set(reply) >= {"text", "finish_reason", "frame_index", "tokens"}
         assert isinstance(reply["text"], str) and reply["finish_reason"] in ("length", "eos", "stop")
-        # About the newest observation: its own frame if that frame's cycle is still answering questions when
-        # the question arrives, else a frame computed from it again.
+        # About the newest observation: a frame computed from it again.
         assert 1 <= reply["tokens"] <= 5 and reply["frame_index"] >= first["policy_timing"]["frame_index"]
         both = policy.infer({**droid_obs(rng), "question": "Where is the cup?", "max_tokens": 3})
         assert both["actions"].shape == (15, 8)
@@ -317,6 +317,42 @@ def test_language_on_the_socket():
         with pytest.raises(RuntimeError, match="a question takes the keys"):
             policy.infer({"question": "hi", "max_token": 3})
         assert policy.infer(droid_obs(rng))["actions"].shape == (15, 8)
+
+
+@pytest.mark.parametrize("cycle_after", ["question", "observation"])
+def test_a_question_is_answered_about_the_frame_it_came_with(cycle_after):
+    """An engine cycle runs right after the server hands the engine the question (or the observation it came
+    with), before the other arrives; the engine is stepped by hand, its clock moved past a camera interval so
+    that the previous frame may be re-used for a waiting question. The reply is about the observation the
+    question came with, never the one before."""
+    rng = np.random.default_rng(8)
+    with served("droid", run_engine=False) as server:
+        engine, cycles, offset = server.engine, threading.Lock(), [0.0]
+        engine.clock = lambda: time.monotonic() + offset[0]
+
+        def cycle():
+            with cycles:
+                engine.run_cycle()
+
+        def stepped(fn, *args):
+            with ThreadPoolExecutor(1) as pool:
+                result = pool.submit(fn, *args)
+                deadline = time.monotonic() + 60
+                while not result.done():
+                    assert time.monotonic() < deadline, "no reply"
+                    cycle()
+                    time.sleep(0.01)
+                return result.result()
+
+        policy = client(server)
+        first = stepped(policy.infer, droid_obs(rng))["policy_timing"]["frame_index"]
+        offset[0] += 10.0                           # the first frame is now re-usable for a waiting question
+        name = "submit" if cycle_after == "question" else "submit_observation"
+        hand_over = getattr(engine, name)
+        setattr(engine, name, lambda *a, **kw: (hand_over(*a, **kw), cycle())[0])
+        both = stepped(policy.infer, {**droid_obs(rng), "question": "Where is the cup?", "max_tokens": 3})
+        assert both["policy_timing"]["frame_index"] > first
+        assert both["frame_index"] == both["policy_timing"]["frame_index"]
 
 
 def test_a_client_that_goes_frees_its_slot_and_ends_its_requests():

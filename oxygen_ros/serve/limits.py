@@ -2,11 +2,13 @@
 bounded failed logins, bounded decoding work. Protocol-free, so that every server of the package (openpi's
 websocket, a gRPC one) takes the same pieces:
 
-  - `SocketCap`: a hard cap on open connections, handshakes in progress included, checked when a socket
-    is accepted: a flood of connections that never finish their handshake costs the process at most this
-    many descriptors (not the process's whole descriptor limit);
+  - `Doorway`: open connections in two bounded budgets, those at the door (handshakes in progress) and
+    those admitted (sessions), the longest silent at the door pushed out when it is full: a flood of
+    connections that never finish their handshake costs the process a bounded number of descriptors and
+    cannot keep a client with the right key out (one event-loop thread calls it: no lock);
   - `PeerFailures`: failed handshakes (a missing or wrong key) per peer address in a sliding window; past
-    the limit the peer is refused before its key is checked again (no online key guessing, no log flood);
+    the limit the peer's wrong keys get a short refusal (no key guessing at speed, no log flood) while its
+    right key is still admitted: failures are limited, not attempts;
   - `OneDecoder`: one thread that decodes client messages one at a time, so that concurrent large
     messages never pile up on the interpreter beside the engine's thread.
 """
@@ -17,9 +19,10 @@ import collections
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, TypeVar
+from typing import Callable, Generic, Hashable, TypeVar
 
 T = TypeVar("T")
+C = TypeVar("C", bound=Hashable)
 
 
 def listener_problems(port: int, max_clients: int, max_message_bytes: int) -> list[str]:
@@ -34,45 +37,83 @@ def listener_problems(port: int, max_clients: int, max_message_bytes: int) -> li
     return out
 
 
-class SocketCap:
-    """Open connections counted from accept to close; `try_open` refuses the one beyond `limit`."""
+class Doorway(Generic[C]):
+    """Open connections counted from accept to close in two budgets, so that strangers cannot hold the door
+    shut: up to `max_waiting` at the door (accepted, not yet admitted: a handshake in progress, a refusal
+    closing) and up to `max_admitted` admitted (the right key shown). Past `max_waiting`, `trim` names the
+    connections to close among those at the door for `grace_s` or more: those silent (nothing received
+    yet) first, then the oldest. A client sends its request head as soon as it connects, so a flood of
+    silent sockets only ever displaces its own, a flood of handshakes its oldest, and admitted connections
+    are never displaced. Within the grace the door holds at most `max_waiting + overflow` (beyond, `accept`
+    names the connection silent the longest, to close at once)."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._open = 0
-        self._accepted = 0
-        self._refused = 0
-        self._lock = threading.Lock()
+    def __init__(self, max_waiting: int, max_admitted: int, grace_s: float = 0.25, overflow: int = 300,
+                 clock: Callable[[], float] = time.monotonic):
+        self.max_waiting, self.max_admitted, self.grace_s, self.overflow = max_waiting, max_admitted, grace_s, overflow
+        self.clock = clock
+        self._silent: collections.OrderedDict[C, float] = collections.OrderedDict()   # -> accept time, oldest first
+        self._spoke: collections.OrderedDict[C, float] = collections.OrderedDict()
+        self._admitted: set[C] = set()
+        self.accepted = 0          # connections accepted so far
+        self.displaced = 0         # closed because the door was full
 
-    def try_open(self) -> bool:
-        with self._lock:
-            self._accepted += 1
-            if self._open >= self.limit:
-                self._refused += 1
-                return False
-            self._open += 1
-            return True
+    def accept(self, conn: C, spoke: bool = False) -> C | None:
+        """Count a new connection at the door (`spoke`: bytes from it are already waiting); the connection to
+        close at once when the door is past its overflow, else None."""
+        self.accepted += 1
+        (self._spoke if spoke else self._silent)[conn] = self.clock()
+        if self.waiting <= self.max_waiting + self.overflow:
+            return None
+        self.displaced += 1
+        return (self._silent or self._spoke).popitem(last=False)[0]
 
-    def close(self) -> None:
-        with self._lock:
-            self._open -= 1
+    def trim(self) -> list[C]:
+        """The connections to close now so that at most `max_waiting` wait at the door, within the grace."""
+        out, settled = [], self.clock() - self.grace_s
+        for queue in (self._silent, self._spoke):
+            while self.waiting > self.max_waiting and queue and next(iter(queue.values())) <= settled:
+                out.append(queue.popitem(last=False)[0])
+        self.displaced += len(out)
+        return out
+
+    def next_trim_s(self) -> float | None:
+        """Seconds until `trim` can close one more (0: now); None while the door is not over `max_waiting`."""
+        if self.waiting <= self.max_waiting:
+            return None
+        oldest = min(next(iter(q.values())) for q in (self._silent, self._spoke) if q)
+        return max(0.0, oldest + self.grace_s - self.clock())
+
+    def spoke(self, conn: C) -> None:
+        """Bytes came from `conn`."""
+        if conn in self._silent:
+            self._spoke[conn] = self._silent.pop(conn)      # its accept time kept
+
+    def admit(self, conn: C) -> bool:
+        """Move a waiting connection in; False (it stays at the door) when `max_admitted` are in."""
+        if len(self._admitted) >= self.max_admitted or (conn not in self._spoke and conn not in self._silent):
+            return False
+        self._spoke.pop(conn, None)
+        self._silent.pop(conn, None)
+        self._admitted.add(conn)
+        return True
+
+    def close(self, conn: C) -> None:
+        self._silent.pop(conn, None)
+        self._spoke.pop(conn, None)
+        self._admitted.discard(conn)
 
     @property
-    def open(self) -> int:
-        with self._lock:
-            return self._open
+    def waiting(self) -> int:
+        return len(self._silent) + len(self._spoke)
 
     @property
-    def accepted(self) -> int:
-        """Connections accepted so far, refused ones included."""
-        with self._lock:
-            return self._accepted
+    def admitted(self) -> int:
+        return len(self._admitted)
 
     @property
-    def refused(self) -> int:
-        """Connections closed at accept because `limit` were open."""
-        with self._lock:
-            return self._refused
+    def limit(self) -> int:
+        """The most connections open at once once the door is trimmed."""
+        return self.max_waiting + self.max_admitted
 
 
 class PeerFailures:

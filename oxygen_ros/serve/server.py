@@ -26,11 +26,15 @@ at most one message in flight (the protocol is request/reply) and waits only for
 stalled or vanished client delays nobody; when it goes, its slot is freed and its requests end at once,
 whatever its message was waiting for.
 
-What a client can cost the process is bounded before it is read (limits.py): at most `max_clients +
-max_handshakes` open sockets (one more is closed when accepted), `handshake_timeout_s` to send a request head
-and to close, 10 failed handshakes per peer address in 10 s (then HTTP 429 before the key is checked), and
-messages decoded one at a time on one thread, after protocol.scan refused any with more objects or nesting
-than an openpi message has.
+What a client can cost the process is bounded before it is read (limits.py), as websockets' own server
+bounds it (`open_timeout`, `max_size`, `max_queue`) plus a door strangers cannot hold shut: at most
+`max_handshakes` connections wait at the door (accepted, not admitted) and `max_clients` are admitted;
+a connection coming to a full door pushes out the one silent the longest there (a robot program sends its
+request head at once: a flood of silent sockets displaces only itself); `handshake_timeout_s` to send a
+request head and to close; the key is checked first, and only failures count against the peer's address
+(10 in 10 s, then HTTP 429 for its wrong keys, while its right key is still admitted); messages are
+decoded one at a time on one thread, after protocol.scan refused any with more objects or nesting than an
+openpi message has.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ import hmac
 import http
 import logging
 import math
+import socket
 import threading
 import time
 import traceback
@@ -56,7 +61,7 @@ from oxygen_ros.robot.errors import InputError
 
 from .clients import ClientSlots, Computed, EngineHub, FrameFailed
 from .layouts import Layout
-from .limits import OneDecoder, PeerFailures, SocketCap, listener_problems
+from .limits import Doorway, OneDecoder, PeerFailures, listener_problems
 from .protocol import ProtocolError, pack, unpack
 
 log = logging.getLogger("oxygen_ros.serve")
@@ -76,7 +81,7 @@ class ServeOptions:
     default_prompt: str | None = None        # for observations without "prompt" (openpi's --default_prompt)
     reply_timeout_s: float = 60.0            # a frame still without its chunk after this long is an error
     serial: bool = False                     # one client's frame at a time (openpi's server model; benchmark)
-    max_handshakes: int = 32                 # open sockets beyond max_clients (handshakes, refusals closing)
+    max_handshakes: int = 32                 # connections at the door (handshakes, refusals closing)
     handshake_timeout_s: float = 3.0         # to send the request head; also to answer the closing handshake
     failed_handshakes_per_peer: int = 10     # in any 10 s; beyond, HTTP 429 without checking the key
 
@@ -100,24 +105,24 @@ class ClientGone(Exception):
 
 
 class CountedConnection(ServerConnection):
-    """A connection counted against the server's socket cap from accept to close: beyond the cap it is
-    closed at once, before anything is read from it. `refusal`: why the handler must close it (a wrong key)."""
+    """A connection counted at the server's door from accept to close (limits.Doorway): when the door is full
+    the connection that has waited longest there is aborted, before anything more is read from it.
+    `refusal`: why the handler must close it (a wrong key)."""
 
     def __init__(self, server: "OpenpiServer", *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.openpi, self.counted, self.refusal = server, False, ""
+        self.openpi, self.refusal = server, ""
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self.counted = self.openpi.sockets.try_open()
-        if not self.counted:
-            self.openpi.over_cap()
-            transport.abort()
+        self.openpi.at_the_door(self.openpi.door.accept(self, _bytes_waiting(transport)))
+
+    def data_received(self, data: bytes) -> None:
+        self.openpi.door.spoke(self)
+        super().data_received(data)
 
     def connection_lost(self, exc) -> None:
-        if self.counted:
-            self.counted = False
-            self.openpi.sockets.close()
+        self.openpi.door.close(self)
         super().connection_lost(exc)
 
 
@@ -148,10 +153,11 @@ class OpenpiServer:
         self.engine, self.slots, self.hub, self.layout, self.options = engine, slots, hub, layout, options
         self.port: int | None = None             # the bound port once running
         self._serial = asyncio.Lock() if options.serial else None
-        self.sockets = SocketCap(options.max_clients + options.max_handshakes)
+        self.door: Doorway[CountedConnection] = Doorway(options.max_handshakes, options.max_clients)
         self.failures = PeerFailures(options.failed_handshakes_per_peer, FAILURE_WINDOW_S)
         self.decoder: OneDecoder | None = None
-        self._cap_logged_at = -math.inf
+        self._door_logged_at = -math.inf
+        self._trim_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -209,35 +215,52 @@ class OpenpiServer:
         return f"openpi clients {self.slots.in_use}/{self.slots.capacity}"
 
     # ------------------------------------------------------------------ handshake
-    def over_cap(self) -> None:
-        """A connection was closed at accept (the socket cap): said once per 10 s, not once per socket."""
+    def at_the_door(self, pushed_out: CountedConnection | None) -> None:
+        """A connection came to the door (`pushed_out`: one to close at once, the door past its overflow)."""
+        if pushed_out is not None:
+            self._close_at_the_door([pushed_out])
+        self._trim_soon()
+
+    def _trim_soon(self) -> None:
+        wait = self.door.next_trim_s()
+        if self._trim_timer is None and wait is not None:
+            self._trim_timer = asyncio.get_running_loop().call_later(wait, self._trim_the_door)
+
+    def _trim_the_door(self) -> None:
+        self._trim_timer = None
+        self._close_at_the_door(self.door.trim())
+        self._trim_soon()
+
+    def _close_at_the_door(self, connections: list[CountedConnection]) -> None:
+        for connection in connections:
+            connection.transport.abort()
         now = time.monotonic()
-        if now - self._cap_logged_at >= 10.0:
-            self._cap_logged_at = now
-            log.warning("closing new connections at accept: %d sockets open (max_clients + max_handshakes), "
-                        "%d closed so far", self.sockets.limit, self.sockets.refused)
+        if connections and now - self._door_logged_at >= 10.0:      # once per 10 s, not once per socket
+            self._door_logged_at = now
+            log.warning("%d connections waiting at the door (max_handshakes): closing the one silent the longest "
+                        "for each new one, %d so far", self.door.max_waiting, self.door.displaced)
 
     def _process_request(self, connection: CountedConnection, request):
         if request.path == "/healthz":
             return connection.respond(http.HTTPStatus.OK, "OK\n")
         key = self.options.api_key
-        if key is not None:
+        # The key first: a stranger's failures must not lock out the right key from the same address.
+        if key is not None and not _key_matches(request.headers.get("Authorization"), key):
             peer = _peer(connection)
             wait = self.failures.retry_after(peer)
-            if wait > 0:
+            if wait > 0:        # not counted again: the peer's table stays `failed_handshakes_per_peer` long
                 return connection.respond(http.HTTPStatus.TOO_MANY_REQUESTS,
                                           f"too many failed handshakes from {peer}: retry in {math.ceil(wait)} s\n")
-            if not _key_matches(request.headers.get("Authorization"), key):
-                failures = self.failures.record(peer)
-                if failures in (1, self.options.failed_handshakes_per_peer):
-                    log.warning("refused %s: missing or wrong API key (%d in %g s)", peer, failures, FAILURE_WINDOW_S)
-                if request.headers.get("Upgrade", "").lower() != "websocket":
-                    return connection.respond(http.HTTPStatus.UNAUTHORIZED,
-                                              f"{KEY_HELP} (header 'Authorization: Api-Key <key>')\n")
-                # openpi's client shows the close reason, not an HTTP status's body: open, then close with it.
-                connection.refusal = KEY_HELP
-                return None
-        if self.slots.in_use >= self.slots.capacity:
+            failures = self.failures.record(peer)
+            if failures in (1, self.options.failed_handshakes_per_peer):
+                log.warning("refused %s: missing or wrong API key (%d in %g s)", peer, failures, FAILURE_WINDOW_S)
+            if request.headers.get("Upgrade", "").lower() != "websocket":
+                return connection.respond(http.HTTPStatus.UNAUTHORIZED,
+                                          f"{KEY_HELP} (header 'Authorization: Api-Key <key>')\n")
+            # openpi's client shows the close reason, not an HTTP status's body: open, then close with it.
+            connection.refusal = KEY_HELP
+            return None
+        if not self.door.admit(connection):
             return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, self._full())
         return None
 
@@ -358,15 +381,18 @@ class ClientSession:
                 "policy_timing": {"infer_ms": 1e3 * chunk.compute_s, "frame_index": chunk.plan.frame_index,
                                   "cycle_frames": computed.cycle_frames}}
 
-    async def _compute(self, obs, start: float) -> Computed:
+    async def _compute(self, obs, start: float, then: Callable[[], None] | None = None) -> Computed:
         if self.server._serial is None:
-            return await self._wait_chunk(obs, start)
+            return await self._wait_chunk(obs, start, then)
         async with self.server._serial:             # openpi's model: one frame at a time
-            return await self._wait_chunk(obs, start)
+            return await self._wait_chunk(obs, start, then)
 
-    async def _wait_chunk(self, obs, start: float) -> Computed:
+    async def _wait_chunk(self, obs, start: float, then: Callable[[], None] | None) -> Computed:
+        """The chunk of `obs`; `then()` right after the engine has it (a question about it: see _ask)."""
         ticket = self.hub.submit(self.robot, obs)
         try:
+            if then is not None:
+                then()
             while True:
                 done, _ = await asyncio.wait({ticket.future}, timeout=0.25)
                 if ticket.future in done:
@@ -398,28 +424,38 @@ class ClientSession:
             # The engine answers about frames it computes: the newest observation becomes a frame again.
             obs = replace(self.newest, stamp_s=time.monotonic())
         loop = asyncio.get_running_loop()
-        replied = loop.create_future()
-        handle = self.engine.submit(request)          # before its frame, so that the frame's cycle admits it
-        if handle.done():                              # refused at once: no frame needed to say why
-            raise RequestFailed(f"question refused: {handle.result().error}")
-        self._requests.add(handle)
-        handle.add_done_callback(lambda r: loop.call_soon_threadsafe(_settle, replied, r))
-        chunk = asyncio.ensure_future(self._compute(obs, start))
+        replied, handles = loop.create_future(), []
+
+        def ask() -> None:
+            # After the observation is the engine's (never before: a cycle between the two would answer about
+            # the client's previous frame): the question is admitted onto this frame in its cycle, or, when
+            # that cycle has passed, onto the same frame again (the client has nothing newer in flight).
+            handle = self.engine.submit(request)
+            handles.append(handle)
+            self._requests.add(handle)
+            handle.add_done_callback(lambda r: _settle_from_thread(loop, replied, r))
+
+        chunk = asyncio.ensure_future(self._compute(obs, start, then=ask))
         try:
             done, _ = await asyncio.wait({replied, chunk}, return_when=asyncio.FIRST_EXCEPTION)
             if chunk in done and chunk.exception() is not None:
-                handle.cancel()
                 raise chunk.exception()
             reply: Reply = await replied
-            computed = await chunk if with_observation else None
+            computed = await chunk
         finally:
             chunk.cancel()
-            self._requests.discard(handle)
+            for handle in handles:
+                handle.cancel()                      # a no-op once answered
+                self._requests.discard(handle)
         if not reply.success:
-            raise RequestFailed(f"question failed ({reply.finish_reason}): {reply.error}")
+            what = "refused" if reply.finish_reason == "refused" else f"failed ({reply.finish_reason})"
+            raise RequestFailed(f"question {what}: {reply.error}")
+        if reply.frame_index != computed.chunk.plan.frame_index:     # the engine's promise, kept visible
+            raise RequestFailed(f"question answered about frame {reply.frame_index}, not the observation's frame "
+                                f"{computed.chunk.plan.frame_index}")
         out = {"text": reply.text, "finish_reason": reply.finish_reason, "frame_index": reply.frame_index,
                "tokens": len(reply.tokens), "server_timing": {}}
-        if computed is not None:
+        if with_observation:
             out.update((k, v) for k, v in self._actions(computed).items() if k != "server_timing")
         return out
 
@@ -456,9 +492,31 @@ def _settle(future: asyncio.Future, value) -> None:
         future.set_result(value)
 
 
+def _settle_from_thread(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value) -> None:
+    try:
+        loop.call_soon_threadsafe(_settle, future, value)
+    except RuntimeError:        # the loop has closed (the server stopped): nobody waits any more
+        pass
+
+
 def _names(t) -> str:
     types = t if isinstance(t, tuple) else (t,)
     return " or ".join(x.__name__ for x in types)
+
+
+def _bytes_waiting(transport) -> bool:
+    """Whether the peer has already sent something (its request head) on an accepted socket: a look at the
+    kernel's buffer, nothing read."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    peek = socket.socket(fileno=sock.fileno())
+    try:
+        return bool(peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:              # nothing yet (EAGAIN), or the peer is already gone
+        return False
+    finally:
+        peek.detach()           # the descriptor stays the transport's
 
 
 def _peer(connection: ServerConnection) -> str:
