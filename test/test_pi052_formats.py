@@ -1,9 +1,13 @@
 """pi052 formats: the rules of oxygen_ros.model.pi052 on their own (prompt shapes, masks, parsing, config).
 Parity with LeRobot's own code, run on the same inputs, is test_pi052_reference.py."""
+import json
+
 import numpy as np
 import pytest
 
 from oxygen_ros.model import pi052
+from oxygen_ros.model.checkpoint import lerobot_policy
+from oxygen_ros.model.files import CheckpointError
 from oxygen_ros.model.pi052 import Located, Pi052Format
 from oxygen_ros.model.tokenizer import Tokenizer
 
@@ -90,3 +94,15 @@ def test_loc_answers():
     assert pi052.parse_loc_answer("a <loc0001><loc0002><loc0003>") == []     # three locs are nothing
     assert pi052.parse_loc_answer("a <loc9999><loc0002>")[0].xy == (2 / 1023, 1.0)   # clamped
     assert len(pi052.parse_loc_answer("a <loc0001><loc0002>; b <loc0003><loc0004>")) == 2
+
+
+def test_a_pi052_directory_carries_its_format_and_a_bad_one_is_named(tmp_path):
+    config = {"type": "pi052", "input_features": {"observation.images.base": {"type": "VISUAL", "shape": [3, 56, 56]}},
+              "output_features": {"action": {"type": "ACTION", "shape": [6]}}, "joint_subtask_conditioning": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert lerobot_policy(tmp_path).pi052 == Pi052Format(joint=True, fast_skip_tokens=1152, memory=True)
+    (tmp_path / "config.json").write_text(json.dumps(config | {"fast_skip_tokens": "many"}))
+    with pytest.raises(CheckpointError, match=r"config\.json: pi052 fast_skip_tokens must be a non-negative integer"):
+        lerobot_policy(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config | {"type": "pi05"}))
+    assert lerobot_policy(tmp_path).pi052 is None
