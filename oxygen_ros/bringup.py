@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-ROBOTS = ("libero", "droid", "aloha", "demo")
+ROBOTS = ("libero", "droid", "aloha", "so101", "demo")
 
 
 def parse_args(argv):
@@ -48,7 +48,7 @@ def parse_args(argv):
     parser.add_argument("--threads", type=int, default=10,
                         help="threads of the services executor (streaming goals hold one each)")
     from .param_files import split_ros_args
-    from .serve.cli import add_bringup_arguments, bringup_problems
+    from .serve.cli import add_bringup_arguments, bringup_problems, fill_server_defaults
     add_bringup_arguments(parser)
     args, rest = parser.parse_known_args(argv)
     ros_args, stray = split_ros_args(rest)
@@ -58,6 +58,7 @@ def parse_args(argv):
         args.robot = "demo"
     for problem in bringup_problems(args):
         parser.error(problem)
+    fill_server_defaults(args)
     return args, ros_args
 
 
@@ -382,10 +383,13 @@ def startup_refusal(args, files: list[str], ros_args: list[str]) -> str:
     from .param_files import Given, PortUse, check, port_problems
 
     given = [Given("--console", "oxygen_console", "port", args.console)] if args.console is not None else []
+    if args.record:
+        given.append(Given("--record", "oxygen_recorder", "path", args.record))
     report = check(files, ros_args, given)
-    lines = ["oxygen_bringup: refusing to start, bad parameters:\n  " + "\n  ".join(report.problems)] \
-        if report.problems else []
     console = dict({p.name: p.default for p in CONSOLE}, **report.values("oxygen_console"))
+    problems = report.problems + _file_problems(report.values("oxygen_engine"), console,
+                                                report.values("oxygen_recorder").get("path"))
+    lines = ["oxygen_bringup: refusing to start, bad parameters:\n  " + "\n  ".join(problems)] if problems else []
     ports = [PortUse("--openpi-port", args.openpi_host, args.openpi_port or 0),
              PortUse("--lerobot-port", args.lerobot_host, args.lerobot_port or 0)]
     if type(console["port"]) is int and isinstance(console["host"], str):     # else a problem listed above
@@ -394,14 +398,55 @@ def startup_refusal(args, files: list[str], ros_args: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _file_problems(engine: dict, console: dict, record_path) -> list[str]:
+    """The files the start needs that can be checked without the model, one line each: the engine's
+    checkpoint, tokenizer and norm stats (there at all; their contents are the engine node's), the console's
+    token file (the console reads it only once the model is loaded), the recording's directory."""
+    from .console.guard import read_token
+    from .model.download import is_remote       # a hub id or gs:// URL: the engine node fetches it
+
+    problems = [f"{key} not found: {engine[key]}" for key in ("checkpoint", "tokenizer", "norm_stats")
+                if isinstance(engine.get(key), str) and engine[key] and not is_remote(engine[key])
+                and not Path(engine[key]).exists()]
+    if console.get("port") and isinstance(console.get("token_file"), str) and console["token_file"]:
+        try:
+            read_token(console["token_file"])
+        except ValueError as e:
+            problems.append(f"oxygen_console.{e}")
+    if isinstance(record_path, str) and record_path:
+        why = _unwritable(Path(record_path))
+        if why:
+            problems.append(f"oxygen_recorder.path {record_path!r}: cannot record there: {why}")
+    return problems
+
+
+def _unwritable(directory: Path) -> str:
+    """Why a recording cannot go into `directory` (created if missing), empty if it can: the directory,
+    or the nearest folder above it that exists, must be a writable folder."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
-    from .serve.cli import INTERRUPTED, stop_on_signals
+    from .serve.cli import exit_interrupted, stop_on_signals
 
     # SIGINT/SIGTERM from here on: the orderly stop below. Installed before the imports (torch: seconds) and
-    # the model load, so that a signal during either ends the start cleanly once the load is over, instead of
-    # raising KeyboardInterrupt through an import or the lifecycle transition.
+    # the model load, so that a signal during either ends the start cleanly (the load stops at its next
+    # tensor), instead of raising KeyboardInterrupt through an import or the lifecycle transition.
     stop = stop_on_signals("oxygen_bringup")
-    args, ros_args = parse_args(sys.argv[1:] if argv is None else argv)
+    return exit_interrupted(run(sys.argv[1:] if argv is None else argv, stop))
+
+
+def run(argv: list[str], stop) -> int:
+    from .serve.cli import INTERRUPTED
+
+    args, ros_args = parse_args(argv)
     import rclpy
     from rclpy.signals import SignalHandlerOptions
 
@@ -427,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
+    if stop.is_set():                      # Ctrl-C during the imports and checks
+        print("oxygen_bringup: interrupted while starting: stopped before running", flush=True)
+        return INTERRUPTED
     rcl_args = ["oxygen_bringup", "--ros-args"] + [a for f in files for a in ("--params-file", f)]
     rcl_args += [a for a in ros_args if a != "--ros-args"]
     sys.setswitchinterval(0.001)
@@ -434,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     executors = Executors(args.threads)
     engine_node = EngineNode(attach=lambda engine: ProcessNodes(engine, executors, engine_node, args.record,
                                                                 args.console),
-                             params_files=ParamsFiles(files))
+                             params_files=ParamsFiles(files), stop_loading=stop)
     nodes = [engine_node]
     servers = []            # the openpi and LeRobot clients' (--openpi-port, --lerobot-port)
     try:
@@ -442,14 +490,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.managed:
             # The bringup is the lifecycle manager: configure (load, check everything), then activate.
             engine_node.trigger_configure()
-            if engine_node.failure:
-                problems = engine_node.failure.splitlines()
-                print("oxygen_bringup: refusing to start, bad parameters:\n  " + "\n  ".join(problems),
-                      file=sys.stderr)
-                return 2
-            if stop.is_set():              # Ctrl-C during the load: nothing was started
+            if stop.is_set():              # Ctrl-C during the load (stopped at its next tensor): nothing started
                 print("oxygen_bringup: interrupted while starting: stopped before running", flush=True)
                 return INTERRUPTED
+            if engine_node.failure:        # its problems: logged by oxygen_engine just above, each once
+                print("oxygen_bringup: refusing to start, bad parameters (oxygen_engine's configure failed: "
+                      "above)", file=sys.stderr)
+                return 2
             engine_node.trigger_activate()
             from .serve.cli import start_for_bringup
             try:

@@ -82,12 +82,12 @@ def test_corrupt_files_refuse_the_start_with_one_line_each(tmp_path):
 
 
 def test_real_robot_configs_pass_every_parameter_check(tmp_path):
-    """droid, aloha and libero as shipped (transforms, gripper units, camera rotation, control period,
+    """droid, aloha, libero and so101 as shipped (transforms, gripper units, camera rotation, control period,
     interpolation mask, replan steps) start with the tiny model in place of the checkpoint."""
     params = tmp_path / "tiny.yaml"
     params.write_text("oxygen_engine:\n  ros__parameters:\n    model: tiny\n    checkpoint: ''\n    tokenizer: ''\n"
                       "    norm_stats: ''\n    kv_budget_mb: 32.0\n")
-    for robot in ("droid", "aloha", "libero"):
+    for robot in ("droid", "aloha", "libero", "so101"):
         r = bringup("--robot", robot, "--params-file", str(params))
         assert r.returncode == 0, (robot, r.stderr[-3000:])
         assert "Traceback" not in r.stderr

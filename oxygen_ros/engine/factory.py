@@ -37,11 +37,12 @@ def model_config(model: str | Pi05Config, **overrides) -> Pi05Config:
 
 
 def build_model(cfg: Pi05Config, checkpoint: str | None = None, device: str = "cpu",
-                dtype: torch.dtype | None = None, seed: int = 0) -> Pi05:
-    """Weights from the checkpoint, or deterministic random weights (demo and tests) when none is given."""
+                dtype: torch.dtype | None = None, seed: int = 0, stop=None) -> Pi05:
+    """Weights from the checkpoint, or deterministic random weights (demo and tests) when none is given.
+    `stop`: load_pi05's (a threading.Event that ends the load between tensors)."""
     dtype = dtype or DEFAULT_DTYPE[torch.device(device).type]
     if checkpoint:
-        return load_pi05(checkpoint, cfg, device, dtype)
+        return load_pi05(checkpoint, cfg, device, dtype, stop=stop)
     model = init_random_weights(Pi05(cfg), seed)
     return model.to(device=device).to_serving_dtype(dtype).eval().requires_grad_(False)
 
@@ -54,14 +55,14 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
                  robot_io: RobotIOConfig | None = None, robots: Mapping[str, RobotIOConfig] | None = None,
                  state_in_prompt: bool = True, seed: int = 0,
                  built_model: Pi05 | None = None, make_runner: Callable[[Pi05, KVPool, str], ModelRunner] = ModelRunner,
-                 **config_overrides) -> Engine:
+                 stop=None, **config_overrides) -> Engine:
     """`robots`: {name: its RobotIOConfig} for an engine serving several robots (the model and the KV pool
     are shared; {} for none yet: add them with `Engine.add_robot` and `robot_preparer`); without it the
     engine serves one robot, "", with `robot_io`. `norm_stats` and `asset_id`: one source for every robot,
     or {robot: source} (None: a LeRobot checkpoint's own statistics, else identity) — a fleet may mix
     embodiments, each with its own norm_stats.json. `make_runner(model, pool, backend)`: the engine's door to
     the model; a subclass of ModelRunner may stand for a device (the preparer benchmark's device-bound cycle,
-    bench/preparer.py). Every problem is listed before refusing."""
+    bench/preparer.py). `stop`: build_model's. Every problem is listed before refusing."""
     from oxygen_ros.model.attention import default_backend
 
     robots = _robots(robot_io, robots)
@@ -75,7 +76,7 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
         # Real weights need their own tokenizer; random weights (benchmarks) run with the shipped small one.
         raise ValueError("a full-vocabulary checkpoint needs its tokenizer: give the PaliGemma tokenizer path")
     tok = Tokenizer(tokenizer) if tokenizer else Tokenizer.tiny()
-    net = built_model if built_model is not None else build_model(cfg, checkpoint, device, dtype, seed)
+    net = built_model if built_model is not None else build_model(cfg, checkpoint, device, dtype, seed, stop)
     backend = backend or default_backend(net.device)
     net.backend = backend
     pool = KVPool.from_budget(int(kv_budget_mb * 2**20), cfg.vlm.depth, cfg.vlm.num_kv_heads, cfg.vlm.head_dim,

@@ -31,7 +31,7 @@ from oxygen_ros.engine.config import EngineConfig, node_settings
 from oxygen_ros.engine.tasks.actions import PREFIX_UNTRAINED
 from oxygen_ros.engine.engine import Engine
 from oxygen_ros.engine.factory import build_engine, file_problems, model_config
-from oxygen_ros.model.checkpoint import checkpoint_settings, lerobot_policy
+from oxygen_ros.model.checkpoint import LoadStopped, checkpoint_settings, lerobot_policy
 from oxygen_ros.model.config import LIMITS, PREFIX_MODES, PRESETS
 from oxygen_ros.progress import LongTask, human_bytes, size_of
 from oxygen_ros.robot.policy_io import RobotIOConfig
@@ -116,12 +116,16 @@ SHUTTING_DOWN = "engine shutting down (oxygen_engine shutdown)"
 
 class EngineNode(LifecycleNode):
     def __init__(self, attach: Callable[[Engine], AttachedNodes] | None = None,
-                 params_files: ParamsFiles | None = None, check_capacity: bool = True, **node_kwargs):
+                 params_files: ParamsFiles | None = None, check_capacity: bool = True, stop_loading=None,
+                 **node_kwargs):
         """params_files: the parameter files this process was started with (a fleet's per-robot node
         sections and its robots' settings are checked against them). check_capacity False: the robot
-        configured is a template, not a robot (oxygen_serve's clients): whether robots fit is its caller's."""
+        configured is a template, not a robot (oxygen_serve's clients): whether robots fit is its caller's.
+        stop_loading: a threading.Event that, once set, ends a configure's model load between tensors and
+        skips the capacity measurement (the process's Ctrl-C while it starts)."""
         super().__init__("oxygen_engine", **node_kwargs)
         self._check_capacity = check_capacity
+        self._stop_loading = stop_loading
         self.files = params_files or ParamsFiles()
         self.fleet: list[FleetRobot] = []            # empty: the single robot ""
         # Read again at every configure (a failed configure is fixed by setting parameters, then configuring
@@ -175,7 +179,11 @@ class EngineNode(LifecycleNode):
         except Exception as e:  # noqa: BLE001 - configure never takes the node down: unconfigured, with why
             self._release()
             self.failure = str(e) if isinstance(e, ParameterError) else f"{type(e).__name__}: {e}"
-            self.get_logger().error("configure failed, staying unconfigured:\n  " + "\n  ".join(self.failure.splitlines()))
+            if self._stopping():               # not a problem of the parameters: the process is stopping
+                self.get_logger().info(f"configure stopped, staying unconfigured: {self.failure}")
+            else:
+                self.get_logger().error("configure failed, staying unconfigured:\n  "
+                                        + "\n  ".join(self.failure.splitlines()))
             return TransitionCallbackReturn.FAILURE
         self.failure = ""
         return TransitionCallbackReturn.SUCCESS
@@ -342,6 +350,8 @@ class EngineNode(LifecycleNode):
             raise ParameterError("\n".join(dict.fromkeys(problems)))
         source = p["checkpoint"] or "random weights (no checkpoint)"
         size = f" ({human_bytes(size_of(p['checkpoint']))})" if p["checkpoint"] else ""
+        if self._stopping():
+            raise ParameterError("configure stopped before the load")
         try:
             engine_cfg.validate()
             with LongTask(f"loading model {p['model']} from {source}{size} on {device}", self.get_logger().info):
@@ -350,7 +360,9 @@ class EngineNode(LifecycleNode):
                     engine=engine_cfg,
                     device=device, kv_budget_mb=p["kv_budget_mb"], block_size=p["block_size"],
                     backend=None if p["attention_backend"] == "auto" else p["attention_backend"],
-                    state_in_prompt=state_in_prompt, seed=p["seed"], **robots)
+                    state_in_prompt=state_in_prompt, seed=p["seed"], stop=self._stop_loading, **robots)
+        except LoadStopped as e:
+            raise ParameterError(str(e)) from None
         except (ValueError, FileNotFoundError) as e:
             raise ParameterError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - a corrupt file, a device error: say which load failed
@@ -366,7 +378,7 @@ class EngineNode(LifecycleNode):
                                f"{'on' if engine.info.cuda_graphs else 'off'}{serves}")
         if engine.stats.counter("graph_capture_failures"):
             self.get_logger().warning(engine.stats.last_error)
-        if not self._check_capacity:
+        if not self._check_capacity or self._stopping():
             return engine
         try:
             self.capacity = engine.capacity()      # measured on the model now (or frame_cost_ms declared)
@@ -379,6 +391,9 @@ class EngineNode(LifecycleNode):
         else:
             self.get_logger().info(self.capacity.summary())
         return engine
+
+    def _stopping(self) -> bool:
+        return self._stop_loading is not None and self._stop_loading.is_set()
 
     # ------------------------------------------------------------------ diagnostics
     def _publish_diagnostics(self) -> None:

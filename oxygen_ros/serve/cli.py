@@ -34,25 +34,70 @@ log = logging.getLogger("oxygen_ros.serve")
 
 class StopRequest(threading.Event):
     """Set by SIGINT or SIGTERM (stop_on_signals). `running`: set by the caller once it runs; until then a
-    signal waits for the start in progress (a model load) to end, and says so."""
-    running = False
+    signal stops the start in progress (the model load at its next tensor) and, should that take longer than
+    START_GRACE_S (a step that cannot be interrupted: an import, one huge tensor), ends the process then."""
+    START_GRACE_S = 1.5
+
+    def __init__(self, prog: str = ""):
+        super().__init__()
+        self.prog = prog
+        self._running = False
+        self._deadline: threading.Timer | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    @running.setter
+    def running(self, value: bool) -> None:
+        self._running = value
+        if value and self._deadline is not None:      # a stop from now on is the orderly one, however long
+            self._deadline.cancel()
+
+    def stop_start(self) -> None:
+        self._deadline = threading.Timer(self.START_GRACE_S, self._exit_now,
+                                         args=(f"the start did not stop within {self.START_GRACE_S:g} s",))
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _exit_now(self, why: str) -> None:
+        os.write(2, f"{self.prog}: {why}: exiting now\n".encode())
+        os._exit(INTERRUPTED)
 
 
 def stop_on_signals(prog: str) -> StopRequest:
     """SIGINT and SIGTERM set the returned event instead of raising KeyboardInterrupt. Installed first thing
     (before torch is imported and the model loaded: seconds, minutes for pi0.5), so that a Ctrl-C at any time
-    of the start ends it cleanly once the step in progress is over; the first signal says so, more are ignored."""
-    stop = StopRequest()
+    of the start ends it within 2 s: the model load stops at its next tensor (EngineNode's stop_loading), and
+    a start that has not stopped START_GRACE_S after the signal, or a second signal before the process runs,
+    ends the process at once (nothing moved yet: no command was ever sent). Once it runs, the first signal
+    stops it in order (actions off, every pending request answered) and more are ignored."""
+    stop = StopRequest(prog)
 
     def stop_requested(signum, frame) -> None:
-        if not stop.is_set():          # os.write: a print here could re-enter a print in progress
-            wait = "" if stop.running else " once the start in progress (the model load) ends"
-            os.write(2, f"{prog}: {signal.Signals(signum).name}: stopping{wait}\n".encode())
+        name = signal.Signals(signum).name     # os.write: a print here could re-enter a print in progress
+        if stop.is_set() and not stop.running:
+            stop._exit_now(f"{name} again")
+        if not stop.is_set():
+            os.write(2, f"{prog}: {name}: stopping{'' if stop.running else ' the start'}\n".encode())
+            if not stop.running:
+                stop.stop_start()
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop_requested)
     return stop
+
+
+def exit_interrupted(code: int) -> int:
+    """`code`, except that a start stopped by a signal (INTERRUPTED) ends the process here: nothing ran, and
+    the interpreter's own teardown of torch, DDS and MuJoCo (0.7-8 s measured, the longer on a busy machine)
+    would keep a Ctrl-C from ending the start within 2 s."""
+    if code == INTERRUPTED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,26 +111,48 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    from .server import ServeOptions
-
-    d = ServeOptions()
+    # Defaults left None here and filled by fill_server_defaults after parsing: ServeOptions lives with the
+    # server (websockets, torch: seconds to import), and a mistyped option is answered before that import.
     parser.add_argument("--layout", choices=sorted(set(LAYOUTS) | set(LEROBOT_LAYOUTS)),
                         help="openpi observation keys, or LeRobot's (--protocol lerobot) (default: --robot)")
-    parser.add_argument("--host", default=d.host, help="address to listen on (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, help=f"TCP port (default {d.port}, {lerobot.LEROBOT_PORT} with --protocol "
-                                                 "lerobot; 0: any free port, printed)")
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, help=f"TCP port (default {OPENPI_PORT}, {lerobot.LEROBOT_PORT} with "
+                                                 "--protocol lerobot; 0: any free port, printed)")
     parser.add_argument("--api-key-file", type=Path,
                         help="file holding the API key clients must send (Authorization: Api-Key <key>); "
                              "readable by its owner only (chmod 600), at least 16 characters")
-    parser.add_argument("--max-clients", type=int, default=d.max_clients, help="connections served at once")
-    parser.add_argument("--max-message-mb", type=float, default=d.max_message_bytes / 2**20,
-                        help="largest message accepted (MiB); a larger one closes its connection")
+    parser.add_argument("--max-clients", type=int, help="connections served at once (default 8)")
+    parser.add_argument("--max-message-mb", type=float,
+                        help="largest message accepted (MiB, default 32); a larger one closes its connection")
     parser.add_argument("--default-prompt", help="prompt for observations that carry none")
-    parser.add_argument("--reply-timeout", type=float, default=d.reply_timeout_s,
-                        help="seconds an observation may wait for its chunk before the client gets an error")
+    parser.add_argument("--reply-timeout", type=float,
+                        help="seconds an observation may wait for its chunk before the client gets an error "
+                             "(default 60)")
     parser.add_argument("--serial", action="store_true",
                         help="one client's frame at a time, as openpi's own server runs (the benchmark's "
                              "'one at a time'), instead of batching the clients' frames in one engine cycle")
+
+
+# The help texts' defaults; fill_server_defaults takes the values themselves from ServeOptions and
+# LeRobotOptions (test_operator_messages checks that the two agree).
+OPENPI_PORT = 8000
+
+
+def fill_server_defaults(args) -> None:
+    """Every server option not given on the command line: its ServeOptions/LeRobotOptions default."""
+    from .lerobot.server import LeRobotOptions
+    from .server import ServeOptions
+
+    openpi, lerobot_options = ServeOptions(), LeRobotOptions()
+    defaults = dict(host=openpi.host, max_clients=openpi.max_clients,
+                    max_message_mb=openpi.max_message_bytes / 2**20, reply_timeout=openpi.reply_timeout_s,
+                    openpi_host=openpi.host, openpi_max_clients=openpi.max_clients,
+                    lerobot_host=lerobot_options.host, lerobot_max_clients=lerobot_options.max_clients)
+    for name, value in defaults.items():
+        if getattr(args, name, value) is None:
+            setattr(args, name, value)
+    if getattr(args, "port", 0) is None:
+        args.port = lerobot.LEROBOT_PORT if args.protocol == "lerobot" else openpi.port
 
 
 def parse_args(argv):
@@ -100,6 +167,10 @@ def parse_args(argv):
     ros_args, stray = split_ros_args(rest)
     if stray:                   # else rclpy.init raised UnknownROSArgsError (a traceback) after the imports
         parser.error(f"unrecognized arguments: {' '.join(stray)} (ROS arguments follow --ros-args)")
+    if args.layout is None and args.protocol == "lerobot" and args.robot not in (None, *LEROBOT_LAYOUTS):
+        parser.error(f"--protocol lerobot --robot {args.robot}: LeRobot's robot_client is served for "
+                     f"--robot {'|'.join(sorted(LEROBOT_LAYOUTS))} (a LeRobot checkpoint's joints and cameras); "
+                     f"--robot {args.robot} serves openpi clients (--protocol openpi)")
     if args.layout is None:
         args.layout = args.robot
     if args.layout is None:
@@ -107,12 +178,9 @@ def parse_args(argv):
                      "--params-file")
     if not args.robot and not args.params_file:
         parser.error("give --robot (a robot config) and/or --params-file")
-    if args.port is None:
-        from .server import ServeOptions
-
-        args.port = lerobot.LEROBOT_PORT if args.protocol == "lerobot" else ServeOptions().port
     if lerobot.problems(args):
         parser.error("; ".join(lerobot.problems(args)))
+    fill_server_defaults(args)
     return args, ros_args
 
 
@@ -155,10 +223,10 @@ def startup_refusal(files: list[str], ros_args: list[str], options: ServeOptions
     return "\n".join(lines)
 
 
-def build_engine_node(files: list[str], overrides: dict, ros_args: list[str]):
+def build_engine_node(files: list[str], overrides: dict, ros_args: list[str], stop: StopRequest | None = None):
     """oxygen_engine configured from these parameters in a private ROS context (nothing spins it; discovery
-    off): the same checks and loading as oxygen_bringup's. Returns (node, context); SystemExit(2) with every
-    problem when the parameters are bad."""
+    off): the same checks and loading as oxygen_bringup's; `stop` set ends the load (EngineNode's
+    stop_loading). Returns (node, context); SystemExit(2) with every problem when the parameters are bad."""
     os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "OFF")
     import rclpy
     from rclpy.parameter import Parameter
@@ -174,10 +242,10 @@ def build_engine_node(files: list[str], overrides: dict, ros_args: list[str]):
     args += [a for a in ros_args if a != "--ros-args"]
     context = rclpy.Context()
     rclpy.init(args=args, context=context)
-    node = EngineNode(params_files=ParamsFiles(files), context=context, check_capacity=False,
+    node = EngineNode(params_files=ParamsFiles(files), context=context, check_capacity=False, stop_loading=stop,
                       parameter_overrides=[Parameter(k, value=v) for k, v in overrides.items()])
     node.trigger_configure()
-    if node.failure:
+    if node.failure and not (stop is not None and stop.is_set()):
         problems = node.failure.splitlines()
         node.destroy_node()
         context.try_shutdown()
@@ -187,7 +255,11 @@ def build_engine_node(files: list[str], overrides: dict, ros_args: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     stop = stop_on_signals("oxygen_serve")
-    args, ros_args = parse_args(sys.argv[1:] if argv is None else argv)
+    return exit_interrupted(run(sys.argv[1:] if argv is None else argv, stop))
+
+
+def run(argv: list[str], stop: StopRequest) -> int:
+    args, ros_args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     from oxygen_ros.robot.configs import find_config
 
@@ -206,11 +278,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.robot:
         print(f"oxygen_serve: robot config {find_config(args.robot)}", flush=True)
+    if stop.is_set():                      # Ctrl-C during the imports and checks
+        print("oxygen_serve: interrupted while starting: stopped before serving", flush=True)
+        return INTERRUPTED
     if args.random:
         log.warning("RANDOM WEIGHTS: model preset %r with random weights and identity norm stats: the actions "
                     "are meaningless (protocol testing only)", args.random)
     try:
-        node, context = build_engine_node(files, overrides, ros_args)
+        node, context = build_engine_node(files, overrides, ros_args, stop)
     except SystemExit as e:
         print(e, file=sys.stderr)
         return 2
@@ -275,25 +350,19 @@ def _serve(base, layout, options: ServeOptions, interrupted: StopRequest) -> int
 # ---------------------------------------------------------------------------------------------- oxygen_bringup
 def add_bringup_arguments(parser: argparse.ArgumentParser) -> None:
     """oxygen_bringup's --openpi-* and --lerobot-* options: socket robots next to the ROS robot, on its engine."""
-    from .lerobot.server import LeRobotOptions
-    from .server import ServeOptions
-
-    d = ServeOptions()
     group = parser.add_argument_group("openpi clients (docs/openpi.md)")
     group.add_argument("--openpi-port", type=int, metavar="PORT",
                        help="also serve openpi-client robots on this port, batched on the same engine (their "
                             "observation keys and policy I/O: the --robot config)")
-    group.add_argument("--openpi-host", default=d.host, help="address the openpi server listens on")
+    group.add_argument("--openpi-host", help="address the openpi server listens on (default 127.0.0.1)")
     group.add_argument("--openpi-api-key-file", type=Path, help="API key file the openpi clients must match")
-    group.add_argument("--openpi-max-clients", type=int, default=d.max_clients, help="openpi connections at once")
-    d = LeRobotOptions()
+    group.add_argument("--openpi-max-clients", type=int, help="openpi connections at once (default 8)")
     group = parser.add_argument_group("LeRobot clients (docs/lerobot.md)")
     group.add_argument("--lerobot-port", type=int, metavar="PORT",
                        help="also serve LeRobot's robot_client (async inference, gRPC) on this port, batched on the "
                             "same engine (their joints and cameras: the --robot config's LeRobot mapping)")
-    group.add_argument("--lerobot-host", default=d.host, help="address the LeRobot server listens on")
-    group.add_argument("--lerobot-max-clients", type=int, default=d.max_clients,
-                       help="LeRobot clients at once")
+    group.add_argument("--lerobot-host", help="address the LeRobot server listens on (default 127.0.0.1)")
+    group.add_argument("--lerobot-max-clients", type=int, help="LeRobot clients at once (default 8)")
 
 
 def bringup_problems(args) -> list[str]:
