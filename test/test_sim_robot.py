@@ -152,6 +152,42 @@ def test_episodes_count_successes_and_timeouts_in_wall_time():
     world.close()
 
 
+def test_multistep_episodes_are_judged_step_by_step_in_wall_time():
+    """The demo's multi-step episodes: the evaluation's episode k of the seed, a step done when its cube is
+    touched (the cube darkens), the truth of subtask and memory following, success only after the last step."""
+    from oxygen_ros.sim.tasks import draw_multistep_episode
+
+    world = ReachEpisodes(seed=4, episode_s=3.0, pause_s=0.2, multistep=True)
+    drawn = draw_multistep_episode(4, 0)
+    assert world.prompt == drawn.task.text and world.layout.colours == drawn.layout.colours
+    clock = 10.0
+    world.advance(clock)
+    clock += 0.2 + CONTROL_PERIOD_S
+    world.advance(clock)
+    assert world.running and world.memory == "" and world.subtask == f"touch the {world.layout.colours[world.target]} cube"
+    assert f"step 1/{drawn.task.steps}" in world.status()
+    seen, target = [(world.subtask, world.memory)], None
+    for k in range(210 * drawn.task.steps):
+        if world.target != target or k % 10 == 0:
+            target = world.target
+            chunk = expert_chunk(world.joints(), inverse_kinematics(touch_point(world.layout.positions[target])), 20)
+            row = 0
+        world.set_command(chunk[row])
+        row = min(row + 1, 19)
+        clock += CONTROL_PERIOD_S
+        if world.advance(clock):
+            break
+        if (world.subtask, world.memory) != seen[-1]:
+            seen.append((world.subtask, world.memory))
+    colours = [drawn.layout.colours[i] for i in drawn.task.order]
+    assert [s for s, _ in seen] == [f"touch the {c} cube" for c in colours[:len(seen)]]
+    assert len(seen) == drawn.task.steps and seen[1][1] == f"{colours[0]} touched; next: {colours[1]}"
+    outcome = world.outcomes[0]
+    assert outcome.success and outcome.steps_done == outcome.steps == drawn.task.steps
+    assert world.last_outcome.endswith(f"({drawn.task.steps}/{drawn.task.steps} steps)")
+    world.close()
+
+
 def test_a_stall_does_not_make_the_simulation_race():
     world = ReachEpisodes(seed=0)
     world.advance(0.0)

@@ -1,8 +1,9 @@
 """The demo's simulated robot: the MuJoCo reach scene (oxygen_ros/sim/) behind the topics a real robot
 has. It publishes camera images and joint states, follows the joint position commands it receives, and
-runs episodes of the reach task: each new episode's task ("touch the red cube") goes out on the prompt
-topic, success is judged from the simulator's state, and each outcome is logged ("episode 3: 'touch the
-red cube': touched in 1.21 s"; `python -m oxygen_ros.eval --ros` reads these lines).
+runs episodes of the reach task: each new episode's task ("touch the red cube"; with `multistep`, "touch the
+red cube, then the blue one") goes out on the prompt topic, success is judged from the simulator's state,
+and each outcome is logged ("episode 3: 'touch the red cube': touched in 1.21 s"; `python -m oxygen_ros.eval
+--ros` reads these lines).
 
 Topics (names are parameters):
   publishes  /sim/camera/base/image_raw, /sim/camera/wrist/image_raw  sensor_msgs/Image (rgb8), camera_rate_hz
@@ -61,7 +62,10 @@ PARAMS = [
           "SetBool service of the action output: switched off while the scene is reset and on again when "
           "the episode starts, as an operator would (real-time chunking then continues no chunk across a "
           "reset); empty: never switched."),
-    Param("episode_s", 4.0, "Time limit of an episode, s."),
+    Param("episode_s", 4.0, "Time limit of an episode, s (of each step of a multi-step task)."),
+    Param("multistep", False,
+          "Multi-step tasks ('touch the red cube, then the blue one', 'touch every cube from left to right'; 2-3 "
+          "steps, a touched cube darkens): the hierarchical demo model's. False: one cube per episode."),
 ]
 _WARN_THROTTLE_S = 2.0
 
@@ -121,7 +125,8 @@ class SimRobotNode(Node):
             self.destroy_node()  # no half-made node left in the context
             raise ValueError("; ".join(problems))
 
-        self.world = world if world is not None else ReachEpisodes(seed, self.image_size, episode_s)
+        self.world = world if world is not None else ReachEpisodes(seed, self.image_size, episode_s,
+                                                                   multistep=bool(p["multistep"]))
         self.command_count = 0
         self.rejected_count = 0
         self.last_command_time: float | None = None
