@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from oxygen_ros.engine.factory import file_problems
 from oxygen_ros.model.checkpoint import (checkpoint_settings, check_weights, init_random_weights, lerobot_policy,
                                          load_pi05, save_checkpoint)
-from oxygen_ros.model.files import MAX_JSON_BYTES, CheckpointError
+from oxygen_ros.model.files import MAX_JSON_BYTES, MAX_TOKENIZER_BYTES, CheckpointError
 from oxygen_ros.model.normalize import LeRobotNormalizer, Normalizer
 from oxygen_ros.model.pi05 import Pi05
 from oxygen_ros.model.tokenizer import Tokenizer
@@ -315,7 +315,42 @@ CASES = [
     ("tokenizer missing", remove("tokenizer.model"), "tokenizer", "tokenizer.model", "not found"),
     ("tokenizer garbage", write_bytes("tokenizer.model", b"garbage" * 10), "tokenizer", "tokenizer.model",
      "not a SentencePiece model"),
+    ("tokenizer too large", sparse("tokenizer.model", MAX_TOKENIZER_BYTES + 1), "tokenizer", "tokenizer.model",
+     f"{MAX_TOKENIZER_BYTES + 1} bytes, more than the {MAX_TOKENIZER_BYTES} such a file may have"),
 ]
+
+
+TOKENIZER_PROBE = """
+import sys
+from pathlib import Path
+from oxygen_ros.model.files import CheckpointError
+from oxygen_ros.model.tokenizer import Tokenizer
+
+def peak_kb():
+    return int(next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM")).split()[1])
+
+before = peak_kb()
+try:
+    Tokenizer(sys.argv[1])
+except CheckpointError as e:
+    print(e)
+print(peak_kb() - before)
+"""
+
+
+@pytest.mark.parametrize("gib", [1, 2])
+def test_a_huge_sparse_tokenizer_is_refused_in_one_line_without_reading_it(tmp_path, gib):
+    """Issue 40 item 8: before, a sparse 1 GiB tokenizer.model cost +1.6 GB before its refusal and a 2 GiB one
+    ended the process with SIGSEGV (sentencepiece read it whole). In a process of its own (a crash is a
+    return code here, not the suite's end), its peak memory measured around the call."""
+    path = tmp_path / "tokenizer.model"
+    sparse("tokenizer.model", gib << 30)(tmp_path)
+    run = subprocess.run([sys.executable, "-c", TOKENIZER_PROBE, str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, f"return code {run.returncode}: {run.stderr[-2000:]}"
+    message, growth_kb = run.stdout.splitlines()
+    assert message == f"{path}: {gib << 30} bytes, more than the {MAX_TOKENIZER_BYTES} such a file may have"
+    assert int(growth_kb) < 16 << 10, f"grew by {int(growth_kb) >> 10} MB while refusing it"
 
 
 @pytest.mark.parametrize("spoil, loader, culprit, said", [c[1:] for c in CASES], ids=[c[0] for c in CASES])

@@ -21,6 +21,10 @@ from pathlib import Path
 from typing import Any
 
 MAX_JSON_BYTES = 16 << 20
+# A SentencePiece model: PaliGemma's (257,152 pieces) is 4.3 MB, the largest public ones (Gemma 3, 262k
+# pieces) under 5 MB; 32 MiB leaves room for any real one and refuses a huge file before sentencepiece,
+# which reads any size whole (a sparse 2 GiB file ends the process with SIGSEGV), is handed it.
+MAX_TOKENIZER_BYTES = 32 << 20
 LEROBOT_PREPROCESSOR = "policy_preprocessor.json"
 LEROBOT_POSTPROCESSOR = "policy_postprocessor.json"
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from .files import CheckpointError, regular_file
+from .files import MAX_TOKENIZER_BYTES, CheckpointError, read_bytes
 
 TINY_TOKENIZER = "tiny_tokenizer.model"
 
@@ -42,10 +42,13 @@ def discretize_state(state: np.ndarray) -> np.ndarray:
 
 class Tokenizer:
     def __init__(self, model_file: str | Path):
-        path = regular_file(model_file)      # a CheckpointError naming it: missing, a folder, a FIFO (would block)
-        # A SentencePiece model is a protobuf: parsing it executes nothing.
+        path = Path(model_file)
+        # Read here, bounded (a CheckpointError naming it: missing, a folder, a FIFO, too large), and handed to
+        # sentencepiece as bytes: it never opens the file itself. A SentencePiece model is a protobuf:
+        # parsing it executes nothing.
+        proto = read_bytes(path, MAX_TOKENIZER_BYTES)
         try:
-            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+            self.sp = spm.SentencePieceProcessor(model_proto=proto)
         except (RuntimeError, OSError) as e:  # sentencepiece reports a bad protobuf as RuntimeError
             raise CheckpointError(f"{path}: not a SentencePiece model ({e})") from None
         self.path = path
