@@ -137,6 +137,15 @@ def test_masks_generate_what_select_message_generates(case):
 
 
 # ------------------------------------------------------------------------------------------ the model
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A small model's 500 decode steps: one thread (two threads on a loaded 2-core machine took 40x longer)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def ref() -> dict:
     ref = dict(np.load(DATA / "model" / "reference.npz"))
