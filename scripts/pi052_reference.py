@@ -5,10 +5,13 @@ package, it needs Python 3.12):
 
     python3.12 -m venv ../pi052 && ../pi052/bin/pip install 'torch>=2.7,<2.12' 'transformers>=5.4,<5.6' \
         'numpy>=2,<2.3' sentencepiece protobuf safetensors draccus==0.10.0 einops 'huggingface-hub>=1,<2' \
-        packaging termcolor tqdm gymnasium Pillow 'torchvision>=0.22,<0.27' opencv-python-headless requests
-    git -C <lerobot clone> archive f2c8867df1f8 | tar -x -C ../lerobot_pi052
+        packaging termcolor tqdm gymnasium Pillow 'torchvision>=0.22,<0.27' 'opencv-python-headless<4.14' \
+        requests 'datasets>=4.7,<5' 'pandas>=2,<3' 'pyarrow>=21,<30' jsonlines pyyaml 'av>=15,<16'
+    mkdir ../lerobot_pi052 && git -C <lerobot clone> archive f2c8867df1f8 | tar -x -C ../lerobot_pi052
     ../pi052/bin/pip install --no-deps -e ../lerobot_pi052
-    ../pi052/bin/python scripts/pi052_reference.py
+    ../pi052/bin/python scripts/pi052_reference.py --vqa-source <lerobot clone>
+
+Measured: transformers 5.5.4, torch 2.11.0 (CPU), about 30 s; a second run writes the same bytes.
 
 The PaliGemma tokenizer is gated, so both sides use the package's shipped small SentencePiece model
 (PaliGemma's special ids: pad 0, eos 1, bos 2): here loaded as transformers' GemmaTokenizer (the class the
