@@ -16,7 +16,7 @@ Measured: transformers 5.5.4, torch 2.11.0 (CPU), about 30 s; a second run write
 The PaliGemma tokenizer is gated, so both sides use the package's shipped small SentencePiece model
 (PaliGemma's special ids: pad 0, eos 1, bos 2): here loaded as transformers' GemmaTokenizer (the class the
 PaliGemma checkpoint names), with BOS added, `</s>` its EOS text, "\\n" an ordinary (not special) piece, and
-LeRobot's <loc> registration on top, exactly as the branch loads "google/paligemma-3b-pt-224".
+LeRobot's <loc> registration on top, loaded wherever the branch loads "google/paligemma-3b-pt-224".
 
 Written:
 - formats.json: every prompt shape of the branch's language runtime, as its own code builds it
