@@ -8,6 +8,8 @@ Formats (detected from the key names):
   names, `language_model.embed_tokens` (what LeRobot embeds with) and `lm_head` (its text logits). They
   start tied but LeRobot 0.6.1 fine-tunes them apart: the embedding is always read from `embed_tokens`
   when it is there (whatever the shard order), and a differing `lm_head` is kept for text logits, logged.
+- openpi's JAX checkpoints (a folder with `params/` written by orbax), read without JAX and mapped as openpi's
+  conversion script maps them (model/openpi_jax.py): then loaded as that script's output.
 - A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, LeRobot's `--peft` output): its
   base's weights with the adapter merged in at load (model/lora.py); config and statistics are the adapter
   folder's. The base is fetched by name when it is a hub id (model/download.py).
@@ -36,6 +38,7 @@ from .files import (LEROBOT_POSTPROCESSOR, LEROBOT_PREPROCESSOR, CheckpointError
                     present, processor_steps, regular_file)
 from .download import parse_name, resolve_checkpoint
 from .lora import is_adapter, read_adapter
+from .openpi_jax import JaxParams, is_jax_checkpoint
 from .pi05 import Pi05, param_dtype
 from .pi052 import Pi052Format, checkpoint_format
 
@@ -154,6 +157,8 @@ def _shard_names(index: Path) -> list[str]:
 def _open(f: Path):
     """safe_open with a CheckpointError naming the file when it is not a readable safetensors file (a FIFO
     or a directory is refused before it is opened: opening a FIFO blocks)."""
+    if isinstance(f, JaxParams):
+        return f
     regular_file(f)
     try:
         return safe_open(str(f), framework="pt", device="cpu")
@@ -171,12 +176,15 @@ def read_key_map(path: str | Path) -> tuple[str, dict[str, tuple[Path, str]]]:
     """Detect the format and map every needed parameter to (file, key in file); "lm_head.weight" too when
     the file holds a head apart from the embedding. Raises CheckpointError naming unexpected keys (and
     hints when the file is a π0, not π0.5, checkpoint)."""
-    files = _files(Path(path))
-    keys: dict[str, Path] = {}
-    for f in files:
-        with _open(f) as sf:
-            for k in sf.keys():
-                keys[k] = f
+    keys: dict[str, Path | JaxParams] = {}
+    if is_jax_checkpoint(path):             # openpi's params/ (orbax), as openpi's conversion names it
+        params = JaxParams(path)
+        keys = {k: params for k in params.keys()}
+    else:
+        for f in _files(Path(path)):
+            with _open(f) as sf:
+                for k in sf.keys():
+                    keys[k] = f
     prefixed = [k.startswith("model.") for k in keys]
     if any(prefixed) and not all(prefixed):
         raise CheckpointError(f"{path}: mixes LeRobot-style 'model.' keys with unprefixed keys: "
