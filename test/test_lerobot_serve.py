@@ -15,6 +15,7 @@ import os
 import pickle
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 
 import grpc
@@ -246,10 +247,20 @@ def _nested(depth):
     return value
 
 
+def _storage(values: torch.Tensor):
+    """A tensor's storage, which pickles as torch.storage._load_from_bytes (TypedStorage: torch warns about it
+    once per process, so the warning is neither expected nor shown)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return values.storage()
+
+
 def hostile_payloads(rng, marker):
     reconstruct = np._core.multiarray._reconstruct
-    with pytest.warns(UserWarning, match="TypedStorage"):
-        one = torch.ones(1).storage()           # a tensor's storage pickles as torch.storage._load_from_bytes
+    one = _storage(torch.ones(1))
+    # Issue 40 item 1: calls of allowed functions on ONE memoised argument tuple, each building it again.
+    buffer_args = (bytes(1 << 20), np.dtype("u1"), (1 << 20,), "C")
+    tensor_args = (_storage(torch.zeros(1 << 18)), 0, (1 << 18,), (1,), False, collections.OrderedDict())
     return {
         "os.system": (pickle.dumps(_System(f"touch {marker}")), "INVALID_ARGUMENT", "refused global"),
         "os.system inside": (_with(rng, _System(f"touch {marker}")), "INVALID_ARGUMENT", "refused global"),
@@ -272,6 +283,18 @@ def hostile_payloads(rng, marker):
         "not a pickle": (b"\xff\xfe", "INVALID_ARGUMENT", "malformed"),
         "wrong class": (encode(RemotePolicyConfig("pi05", "x", {}, 1)), "INVALID_ARGUMENT", "RemotePolicyConfig"),
         "over the byte cap": (encode(observation(rng, camera=(1024, 1024, 3))), "RESOURCE_EXHAUSTED", "bytes"),
+        # The client declared two 48x64 cameras: what its observation may build is their size and some slack.
+        "memo reuse: 2,000 frombuffer of 1 MiB": (
+            _with(rng, [_AllowedNames(np._core.numeric._frombuffer, buffer_args) for _ in range(2000)]),
+            "RESOURCE_EXHAUSTED", "would build more than"),
+        "memo reuse: 500 tensors of 1 MiB": (
+            _with(rng, [_AllowedNames(torch._utils._rebuild_tensor_v2, tensor_args) for _ in range(500)]),
+            "RESOURCE_EXHAUSTED", "would build more than"),
+        "OrderedDict with a replaced items": (
+            _with(rng, _AllowedNames(collections.OrderedDict, (), {"items": 1})), "INVALID_ARGUMENT",
+            "OrderedDict with a state"),
+        "a 400-digit timestamp": (encode(observation(rng, timestamp=10**400)), "INVALID_ARGUMENT",
+                                  "timestamp must be a finite number"),
     }
 
 

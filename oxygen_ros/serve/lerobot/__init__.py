@@ -10,7 +10,6 @@ import argparse
 import json
 import logging
 import sys
-import threading
 
 LEROBOT_PORT = 8080            # LeRobot's policy_server default
 PROTOCOLS = ("openpi", "lerobot")
@@ -50,8 +49,9 @@ def problems(args) -> list[str]:
     return out
 
 
-def serve(node, args, interrupted: threading.Event) -> int:
-    """oxygen_serve --protocol lerobot on the engine node's engine, until SIGINT/SIGTERM."""
+def serve(node, args, interrupted) -> int:
+    """oxygen_serve --protocol lerobot on the engine node's engine, until SIGINT/SIGTERM (`interrupted`: the
+    command line's StopRequest, marked running once the port listens)."""
     from oxygen_ros.serve.layouts import LEROBOT_LAYOUTS
 
     from .server import LeRobotOptions, LeRobotServer
@@ -81,6 +81,7 @@ def serve(node, args, interrupted: threading.Event) -> int:
             print(f"oxygen_serve: cannot listen on {options.host}:{options.port}: {e}", file=sys.stderr)
             return 2
         print(f"oxygen_serve: listening for LeRobot robot_client on {options.host}:{server.port}", flush=True)
+        interrupted.running = True     # from now on a signal stops at once (and says so)
         interrupted.wait()
         server.stop()
     finally:
