@@ -19,11 +19,16 @@ calling `infer` in a closed loop throughout, then, one after the other:
 Targets (issue: bounded inputs): a hostile message delays the good client by less than one chunk period and
 grows the server by < 100 MB; the flood leaves the server below half its descriptor limit with the good
 client served; a departed client's slot is free within 1 s. Figures from a loaded machine are not figures.
+
+`--protocol lerobot`: `oxygen_serve --protocol lerobot` under the LeRobot attacks instead (`lerobot_main`:
+decode amplification through the pickle memo, shared references, stalled streams and waiting calls from one
+connection, Ready bursts, names that cannot be applied, an unknown client in a loop).
 """
 from __future__ import annotations
 
 import argparse
 import base64
+import collections
 import datetime
 import json
 import os
@@ -265,12 +270,366 @@ def departed(server: Server, key: str, layout, rate_wait_s: float) -> dict:
             "slot_free_s": round(admitted_s, 3), "refused_meanwhile": refused}
 
 
+# ---------------------------------------------------------------------------------- LeRobot (--protocol lerobot)
+class _Call:
+    """Pickles as `fn(*args)` (BUILD with `state`): a hostile pickle naming allowed globals."""
+
+    def __init__(self, fn, args, state=None):
+        self.fn, self.args, self.state = fn, args, state
+
+    def __reduce__(self):
+        return (self.fn, self.args) if self.state is None else (self.fn, self.args, self.state)
+
+
+class LeRobotServerProcess(Server):
+    """oxygen_serve --protocol lerobot --robot so101 --random tiny in a process of its own, its log kept."""
+
+    def __init__(self, max_clients: int):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "oxygen_ros.serve", "--protocol", "lerobot", "--robot", "so101", "--random", "tiny",
+             "--port", "0", "--max-clients", str(max_clients)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.port, self.log = None, []
+        deadline = time.monotonic() + 300
+        while self.port is None:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("oxygen_serve did not start:\n" + "".join(self.log))
+            self.log.append(line)
+            if "listening for LeRobot robot_client on" in line:
+                self.port = int(line.rsplit(":", 1)[1])
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def log_bytes(self) -> int:
+        return sum(len(line) for line in list(self.log))
+
+
+class LeRobotClient:
+    """The calls LeRobot's robot_client makes (Ready, SendPolicyInstructions, SendObservations in 2 MB chunks,
+    GetActions) on a connection of its own."""
+    CHUNK = 2 << 20
+
+    def __init__(self, port: int):
+        import grpc
+
+        from .lerobot import services_pb2_grpc
+
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
+            ("grpc.max_receive_message_length", 4 << 20), ("grpc.max_send_message_length", 4 << 20),
+            ("grpc.use_local_subchannel_pool", 1)])
+        self.stub = services_pb2_grpc.AsyncInferenceStub(self.channel)
+
+    @staticmethod
+    def features(cameras=("front", "wrist"), shape=(480, 640, 3)) -> dict:
+        from .layouts import SO101_JOINTS
+
+        out = {"observation.state": {"dtype": "float32", "shape": (6,), "names": list(SO101_JOINTS)}}
+        for cam in cameras:
+            out[f"observation.images.{cam}"] = {"dtype": "image", "shape": shape,
+                                                "names": ["height", "width", "channels"]}
+        return out
+
+    @staticmethod
+    def instructions(name="user/pi05_so101", features=None):
+        from .lerobot import services_pb2 as pb
+        from .lerobot.wire import RemotePolicyConfig, encode
+
+        features = features or LeRobotClient.features()
+        return pb.PolicySetup(data=encode(RemotePolicyConfig("pi05", name, features, 10, "cuda")))
+
+    def start(self) -> None:
+        from .lerobot import services_pb2 as pb
+
+        self.stub.Ready(pb.Empty())
+        self.stub.SendPolicyInstructions(self.instructions())
+
+    def stream(self, data: bytes):
+        from .lerobot import services_pb2 as pb
+
+        for sent in range(0, len(data), self.CHUNK):
+            last = sent + self.CHUNK >= len(data)
+            state = pb.TRANSFER_END if last else pb.TRANSFER_BEGIN if sent == 0 else pb.TRANSFER_MIDDLE
+            yield pb.Observation(transfer_state=state, data=data[sent:sent + self.CHUNK])
+
+    def send(self, data: bytes) -> None:
+        self.stub.SendObservations(self.stream(data))
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def lerobot_observation(rng, timestep: int = 0, **extra) -> bytes:
+    from .layouts import SO101_JOINTS
+    from .lerobot.wire import TimedObservation, encode
+
+    raw = {joint: float(rng.uniform(-90, 90)) for joint in SO101_JOINTS}
+    raw |= {"front": rng.integers(0, 256, (480, 640, 3), dtype=np.uint8),
+            "wrist": rng.integers(0, 256, (480, 640, 3), dtype=np.uint8), "task": "pick up the cube", **extra}
+    return encode(TimedObservation(timestamp=time.time(), timestep=timestep, observation=raw, must_go=True))
+
+
+class HonestLeRobotClient(GoodClient):
+    """A LeRobot robot_client in a closed loop on its own thread: sends an observation, waits for its chunk;
+    (start, seconds to the chunk, error) per observation."""
+
+    def __init__(self, port: int):  # noqa: super-init - the websocket client is not made
+        from .lerobot import services_pb2 as pb
+
+        self.client, self.pb = LeRobotClient(port), pb
+        self.client.start()
+        self.rng = np.random.default_rng(0)
+        self.frames = [lerobot_observation(self.rng, t) for t in range(4)]
+        self.calls: list[tuple[float, float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        step = 0
+        while not self._stop.is_set():
+            t = time.monotonic()
+            try:
+                self.client.send(self.frames[step % len(self.frames)])
+                while not self._stop.is_set() and not self.client.stub.GetActions(self.pb.Empty()).data:
+                    pass
+                error = ""
+            except Exception as e:  # noqa: BLE001 - counted in the result
+                error = f"{type(e).__name__}: {e}"[:200]
+            self.calls.append((t, time.monotonic() - t, error))
+            step += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self.client.close()
+
+
+def _lerobot_attack(server: LeRobotServerProcess, good: HonestLeRobotClient, attack) -> dict:
+    """Run `attack()` (returns what the attacker saw) with the server's peak resident set reset before it, its
+    log's growth and the honest client's calls that overlap it."""
+    pid = server.proc.pid
+    time.sleep(0.5)
+    Path(f"/proc/{pid}/clear_refs").write_text("5")                     # VmHWM := VmRSS
+    rss, log_bytes = _status_kb(pid, "VmRSS"), server.log_bytes()
+    t = time.monotonic()
+    seen = attack()
+    answered = time.monotonic()
+    time.sleep(0.5)
+    return {**seen, "answered_s": round(answered - t, 4), "server_rss_before_mb": rss / 1024,
+            "server_peak_growth_mb": (_status_kb(pid, "VmHWM") - rss) / 1024,
+            "server_rss_after_mb": _status_kb(pid, "VmRSS") / 1024, "log_bytes_added": server.log_bytes() - log_bytes,
+            "good_client": good.slowest_in(t, answered + 0.25)}
+
+
+def _status(call) -> str:
+    import grpc
+
+    try:
+        call()
+        return "OK"
+    except grpc.RpcError as e:
+        return f"{e.code().name}: {e.details()[:160]}"
+
+
+def _answer_times(futures, start: float) -> list:
+    """Seconds from `start` to each future's answer, filled in as they come."""
+    times = [None] * len(futures)
+    for i, f in enumerate(futures):
+        f.add_done_callback(lambda _, i=i: times.__setitem__(i, time.monotonic() - start))
+    return times
+
+
+def _answer_summary(replies: list[str], times: list) -> dict:
+    """The slowest refusal, and the slowest answer of the calls admitted (a wait or a deadline of their own)."""
+    refused = [t for r, t in zip(replies, times) if r != "OK" and not r.startswith("DEADLINE_EXCEEDED")]
+    admitted = [t for r, t in zip(replies, times) if r == "OK" or r.startswith("DEADLINE_EXCEEDED")]
+    return {"slowest_refusal_s": round(max(refused), 4) if refused else None,
+            "admitted_answered_s": round(max(admitted), 4) if admitted else None}
+
+
+def lerobot_attacks(server: LeRobotServerProcess, good: HonestLeRobotClient) -> dict:
+    """Issue 40 items 1-4, each from a client of its own (started as LeRobot's client starts)."""
+    import torch
+
+    from .lerobot import services_pb2 as pb
+
+    rng = np.random.default_rng(1)
+    out = {}
+
+    def one_message(name: str, data_fn) -> None:
+        bad = LeRobotClient(server.port)
+        bad.start()
+        data = data_fn()
+
+        def attack():
+            return {"message_bytes": len(data), "reply": _status(lambda: bad.send(data))}
+        out[name] = _lerobot_attack(server, good, attack)
+        bad.close()
+
+    buffer_args = (bytes(1 << 20), np.dtype("u1"), (1 << 20,), "C")
+    one_message("frombuffer_2000x_1mib", lambda: lerobot_observation(
+        rng, bad=[_Call(np._core.numeric._frombuffer, buffer_args) for _ in range(2000)]))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        storage = torch.zeros(1 << 18).storage()
+    tensor_args = (storage, 0, (1 << 18,), (1,), False, collections.OrderedDict())
+    one_message("rebuild_tensor_500x_1mib", lambda: lerobot_observation(
+        rng, bad=[_Call(torch._utils._rebuild_tensor_v2, tensor_args) for _ in range(500)]))
+    one_message("ordered_dict_replaced_items", lambda: lerobot_observation(
+        rng, bad=_Call(collections.OrderedDict, (), {"items": 1})))
+
+    def instructions(name: str, setup_fn, times: int = 1) -> None:
+        setup = setup_fn()
+
+        def attack():
+            replies = []
+            for _ in range(times):
+                bad = LeRobotClient(server.port)
+                bad.stub.Ready(pb.Empty())
+                replies.append(_status(lambda: bad.stub.SendPolicyInstructions(setup)))
+                bad.close()
+            return {"message_bytes": len(setup.data), "calls": times, "replies": sorted(set(replies))}
+        out[name] = _lerobot_attack(server, good, attack)
+
+    names: list = ["shoulder_pan.pos"]
+    for _ in range(8):
+        names = [names] * 10
+    shared = {"observation.state": {"dtype": "float32", "shape": (6,), "names": names}}
+    instructions("shared_references_1e8", lambda: LeRobotClient.instructions(features=shared))
+    instructions("crlf_policy_name", lambda: LeRobotClient.instructions(name="user/pi05\r\nx: 1"))
+    instructions("policy_name_3_9_mb_x20", lambda: LeRobotClient.instructions(name="n" * 3_900_000), times=20)
+
+    def stalled_streams():
+        bad = LeRobotClient(server.port)
+        bad.start()
+        hold = threading.Event()
+
+        def stalled():
+            yield pb.Observation(transfer_state=pb.TRANSFER_BEGIN, data=b"x" * 1024)
+            hold.wait(60)
+        t = time.monotonic()
+        futures = [bad.stub.SendObservations.future(stalled()) for _ in range(24)]
+        answered = _answer_times(futures, t)
+        newcomers = []
+        for _ in range(8):
+            c = LeRobotClient(server.port)
+            newcomers.append(_status(lambda: c.stub.Ready(pb.Empty())))
+            c.close()
+        replies = [_status(f.result) for f in futures]
+        hold.set()
+        bad.close()
+        return {"streams": 24, "replies": dict(collections.Counter(r.split(":")[0] for r in replies)),
+                **_answer_summary(replies, answered), "new_clients_ready": dict(collections.Counter(newcomers))}
+    out["stalled_streams_24_one_connection"] = _lerobot_attack(server, good, stalled_streams)
+
+    def get_actions_40():
+        bad = LeRobotClient(server.port)
+        bad.start()
+        t = time.monotonic()
+        futures = [bad.stub.GetActions.future(pb.Empty()) for _ in range(40)]
+        answered = _answer_times(futures, t)
+        replies = [_status(f.result) for f in futures]
+        bad.close()
+        return {"calls": 40, "replies": dict(collections.Counter(r.split(":")[0] for r in replies)),
+                **_answer_summary(replies, answered)}
+    out["get_actions_40_one_connection"] = _lerobot_attack(server, good, get_actions_40)
+
+    def ready_bursts():
+        before = sum("ready: robot" in line for line in list(server.log))
+        bad = LeRobotClient(server.port)
+        with ThreadPoolExecutor(8) as pool:
+            for _ in range(100):
+                list(pool.map(lambda _: _status(lambda: bad.stub.Ready(pb.Empty())), range(8)))
+        bad.close()
+        time.sleep(0.5)
+        return {"bursts": 100, "calls_per_burst": 8,
+                "robots_made": sum("ready: robot" in line for line in list(server.log)) - before}
+    out["concurrent_ready_100_bursts"] = _lerobot_attack(server, good, ready_bursts)
+
+    def unknown_client_loop():
+        lines = len(server.log)
+        bad = LeRobotClient(server.port)
+        replies = [_status(lambda: bad.stub.GetActions(pb.Empty())).split(":")[0] for _ in range(200)]
+        bad.close()
+        time.sleep(0.3)
+        return {"calls": 200, "replies": dict(collections.Counter(replies)),
+                "log_lines_added": sum("unknown client" in line for line in server.log[lines:])}
+    out["unknown_client_loop_200"] = _lerobot_attack(server, good, unknown_client_loop)
+    return out
+
+
+def lerobot_main(json_path: str | None) -> int:
+    """The LeRobot server under issue 40's attacks (items 1-4), one after the other, an honest client (two
+    640x480 cameras, closed loop: observation, then GetActions until its chunk) throughout. Per attack: the
+    replies, the time to them (per call; for many calls at once the slowest refusal, and apart the calls
+    admitted: a GetActions' own wait, a stalled stream's deadline of 2 s), the server's peak resident growth
+    (VmHWM reset through /proc/PID/clear_refs before each), its log's growth, the honest client's slowest
+    observation-to-chunk time overlapping the attack. Targets: refusals within 1 s with a specific status,
+    growth < 100 MB per attack and < 300 MB in total, the honest client's chunk within one chunk period and
+    never refused, no INTERNAL, no traceback in the server's log."""
+    from oxygen_ros.robot.configs import find_config, node_params
+
+    params = node_params(find_config("so101"), "oxygen_engine")
+    chunk_period_s = params["action_horizon"] * params["control_period_s"]
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    load = os.getloadavg()[0]
+    server = LeRobotServerProcess(max_clients=32)    # room for every attack's sessions (freed when idle)
+    try:
+        rss_start = _status_kb(server.proc.pid, "VmRSS") / 1024
+        good = HonestLeRobotClient(server.port)
+        time.sleep(5.0)
+        typical = good.typical_s(0, time.monotonic())
+        result = {"attacks": lerobot_attacks(server, good)}
+        rss_end = _status_kb(server.proc.pid, "VmRSS") / 1024
+        good.stop()
+    finally:
+        server.stop()
+    a = result["attacks"]
+    tracebacks = sum("Traceback" in line for line in server.log)
+    slowest = {k: v["good_client"]["slowest_s"] for k, v in a.items()}
+    per_call = {k: a[k]["answered_s"] / a[k].get("calls", 1) for k in a if "calls_per_burst" not in a[k]
+                and "slowest_refusal_s" not in a[k]}
+    per_call["concurrent_ready_100_bursts"] = a["concurrent_ready_100_bursts"]["answered_s"] / 100
+    per_call |= {k: a[k]["slowest_refusal_s"] for k in a if "slowest_refusal_s" in a[k]}
+    result["answer_s_per_call"] = {k: round(v, 4) for k, v in per_call.items()}
+    result["targets"] = {
+        "refused_within_1_s": all(v < 1.0 for v in per_call.values()),
+        "stalled_stream_ended_at_its_deadline": a["stalled_streams_24_one_connection"]["admitted_answered_s"] < 3.0,
+        "no_internal": not any("INTERNAL" in json.dumps(v) for v in a.values()),
+        "growth_below_100_mb_per_attack": all(v["server_peak_growth_mb"] < 100 for v in a.values()),
+        "growth_below_300_mb_in_total": rss_end - rss_start < 300,
+        "honest_chunk_below_chunk_period": all(s is not None and s < chunk_period_s for s in slowest.values()),
+        "honest_client_never_refused": not any(v["good_client"]["errors"] for v in a.values()),
+        "no_traceback_in_the_server_log": tracebacks == 0,
+    }
+    result["meta"] = {"command": "python -m oxygen_ros.serve.bench_hostile --protocol lerobot"
+                                 + (f" --json {json_path}" if json_path else ""),
+                      "started": started, "robot": "so101", "model": "tiny (random weights)",
+                      "chunk_period_s": chunk_period_s, "honest_chunk_typical_s": typical,
+                      "server_rss_start_mb": rss_start, "server_rss_end_mb": rss_end,
+                      "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                      "load_avg_1min_start": load, "load_avg_1min_end": os.getloadavg()[0],
+                      "note": " ".join(lerobot_main.__doc__.split())}
+    print(f"[bench hostile lerobot] {json.dumps(result, indent=1)}", flush=True)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {json_path}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m oxygen_ros.serve.bench_hostile", description=__doc__.split("\n\n")[0])
     p.add_argument("--robot", choices=sorted(set(LAYOUTS) - {"demo"}), default="droid")
     p.add_argument("--fd-limit", type=int, default=1024, help="the server's descriptor limit (soft RLIMIT_NOFILE)")
     p.add_argument("--json", help="write the result here")
+    p.add_argument("--protocol", choices=("openpi", "lerobot"), default="openpi",
+                   help="lerobot: oxygen_serve --protocol lerobot under issue 40's LeRobot attacks (lerobot_main)")
     a = p.parse_args(argv)
+    if a.protocol == "lerobot":
+        return lerobot_main(a.json)
     from oxygen_ros.robot.configs import find_config, node_params
 
     params = node_params(find_config(a.robot), "oxygen_engine")

@@ -307,7 +307,8 @@ class LeRobotServer(services_pb2_grpc.AsyncInferenceServicer):
             old = self._clients.get(peer)
             if old is not None:
                 old.restart()
-                log.info("LeRobot client %s ready again: a new session on robot %s", peer, old.robot)
+                # DEBUG: LeRobot's client says Ready once per run; a loop of them must not flood the log.
+                log.debug("LeRobot client %s ready again: a new session on robot %s", peer, old.robot)
                 return services_pb2.Empty()
             if len(self._clients) >= self.options.max_clients:
                 raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
