@@ -25,8 +25,8 @@ loads, so a port in use is said at once, as such.
 """
 from __future__ import annotations
 
-import difflib
 import errno
+import os
 import re
 import socket
 from dataclasses import dataclass, field
@@ -35,11 +35,15 @@ from typing import Any
 
 import yaml
 
+from .model.files import CheckpointError, read_bytes
 from .nodes.params import Param, problem, type_problem
 
 PARAMETERS_KEY = "ros__parameters"
+MAX_PARAMS_BYTES = 1 << 20     # a params file is a few kB; a fleet's with every robot's sections, tens of kB
+MAX_DEPTH = 32                 # nested maps and lists (cameras.<slot>.topic: 4 with the node and its section)
 WILDCARDS = ("*", "**")
 FORMAT = "node_name:\n  ros__parameters:\n    name: value"
+PACKAGE_PREFIX = "oxygen_"     # every node of this package: an unknown node named so is a mistake, not another's
 
 # rcl's YAML parameter parser (rcl_yaml_param_parser/src/parse.c, get_value): plain scalars only.
 _TRUE = {"Y", "y", "yes", "Yes", "YES", "true", "True", "TRUE", "on", "On", "ON"}
@@ -93,9 +97,11 @@ class Given:
 
 @dataclass
 class Report:
-    """What the parameters say, and every problem with them (one line each)."""
+    """What the parameters say, and every problem with them (one line each); `others`: the sections for
+    other packages' nodes, once each (no problem: said so that a misplaced section is seen)."""
     given: list[Given] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    others: list[str] = field(default_factory=list)
 
     def values(self, node: str, namespace: str = "/") -> dict[str, Any]:
         """What node `node` in `namespace` is given, later files winning: the wildcard sections, then its own."""
@@ -108,20 +114,29 @@ class Report:
 
 # ----------------------------------------------------------------------------------------------- reading files
 def read_file(path: str | Path) -> tuple[list[Given], list[str]]:
-    """The values a params file gives, with each one's line, and the file's problems (YAML with its line and
-    column; a structure rcl would not read as parameters)."""
+    """The values a params file gives, with each one's line, and the file's problems, one line each: a file
+    that is not a regular one (a FIFO or a device is refused without waiting for it) or is larger than
+    MAX_PARAMS_BYTES, not UTF-8, YAML errors with their line and column, what rcl's parser reads differently
+    (aliases, which it does not expand; a second `ros__parameters:` block or a name given twice under one
+    node, both applied by rcl; a NUL in a string, where rcl cuts it), nesting past MAX_DEPTH, and a
+    structure rcl would not read as parameters."""
     try:
-        text = Path(path).read_text()
-    except OSError as e:
-        return [], [f"{path}: cannot read the parameters file: {e.strerror or e}"]
+        data = read_bytes(path, MAX_PARAMS_BYTES)
+    except CheckpointError as e:
+        return [], [f"{path}: cannot read the parameters file: {str(e).removeprefix(f'{path}: ')}"]
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        return [], [f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}); ROS parameters files are UTF-8"]
+    try:
+        root = yaml.compose(text, Loader=_RclLoader)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         at = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        return [], [f"{path}{at}: not valid YAML: {e.problem or e.context}"]
+        return [], [f"{path}{at}: not valid YAML: {_one_line(str(e.problem or e.context))}"]
     except yaml.YAMLError as e:
-        return [], [f"{path}: not valid YAML: {e}"]
+        return [], [f"{path}: not valid YAML: {_one_line(str(e))}"]
     if root is None:
         return [], []
     if not isinstance(root, yaml.MappingNode):
@@ -129,7 +144,8 @@ def read_file(path: str | Path) -> tuple[list[Given], list[str]]:
     given, problems = [], []
     for key, body in root.value:
         section, where = str(key.value), f"{path}:{key.start_mark.line + 1}"
-        children = dict((k.value, v) for k, v in body.value) if isinstance(body, yaml.MappingNode) else {}
+        pairs = body.value if isinstance(body, yaml.MappingNode) else []
+        children = dict((k.value, v) for k, v in pairs)
         if PARAMETERS_KEY not in children:
             nested = [k for k, v in children.items() if isinstance(v, yaml.MappingNode)]
             if nested:
@@ -137,6 +153,11 @@ def read_file(path: str | Path) -> tuple[list[Given], list[str]]:
                                 f"full name as one key (/{section.strip('/')}/{nested[0]}:)")
             else:
                 problems.append(f"{where}: {section}: no {PARAMETERS_KEY} ({_one_line(FORMAT)})")
+            continue
+        blocks = [k for k, _ in pairs if k.value == PARAMETERS_KEY]
+        if len(blocks) > 1:
+            problems.append(f"{path}:{blocks[1].start_mark.line + 1}: {section}: a second {PARAMETERS_KEY} block "
+                            f"(the first at line {blocks[0].start_mark.line + 1}): rcl applies both; write one")
             continue
         others = [k for k in children if k != PARAMETERS_KEY]
         if others:
@@ -151,11 +172,42 @@ def read_file(path: str | Path) -> tuple[list[Given], list[str]]:
     return given, problems
 
 
+class _RclLoader(yaml.SafeLoader):
+    """PyYAML's composer refusing what rcl's parser does not read as PyYAML would: an alias (rcl expands none;
+    expanded, a few hundred bytes can stand for gigabytes, and a recursive one for a cycle) and nesting
+    past MAX_DEPTH (PyYAML composes recursively: 10,000 levels are a RecursionError)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"an alias (*{event.anchor}): ROS's parameter parser "
+                                              "reads none; write the value", event.start_mark)
+        if self._depth >= MAX_DEPTH:
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", event.start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
 def _flatten(path: str, section: str, section_where: str, mapping: yaml.MappingNode, prefix: str, given: list,
              problems: list) -> None:
     """Nested names as ROS names them ({cameras: {base: {topic: x}}} -> cameras.base.topic), rcl-typed."""
+    first_line: dict[str, int] = {}
     for key, node in mapping.value:
-        name, where = f"{prefix}{key.value}", f"{path}:{key.start_mark.line + 1}"
+        name, line = f"{prefix}{key.value}", key.start_mark.line + 1
+        where = f"{path}:{line}"
+        if name in first_line:
+            problems.append(f"{where}: {section}.{name}: given twice under one node (first at line "
+                            f"{first_line[name]}); write it once")
+            continue
+        first_line[name] = line
         if isinstance(node, yaml.MappingNode):
             _flatten(path, section, section_where, node, name + ".", given, problems)
             continue
@@ -167,7 +219,10 @@ def _flatten(path: str, section: str, section_where: str, mapping: yaml.MappingN
 
 
 def yaml_value(node: yaml.Node) -> tuple[Any, str | None]:
-    """(value, None) as rcl reads a parameter's YAML node, or (None, what rcl would refuse)."""
+    """(value, None) as rcl reads a parameter's YAML node, or (None, what rcl would refuse or read otherwise)."""
+    scalars = [node] if isinstance(node, yaml.ScalarNode) else node.value if isinstance(node, yaml.SequenceNode) else []
+    if any(isinstance(item, yaml.ScalarNode) and "\0" in item.value for item in scalars):
+        return None, "a NUL character in a string: rcl would cut it there"
     if isinstance(node, yaml.ScalarNode):
         quoted = node.style in ("'", '"')
         if node.value == "" and not quoted:
@@ -316,14 +371,18 @@ def check(files: list[str | Path], ros_args: list[str] = (), given: list[Given] 
     engine = report.values("oxygen_engine")
     registry = node_params(model_camera_slots(engine.get("model")))
     robots = engine.get("robots") if isinstance(engine.get("robots"), list) else []
-    report.problems += _check_given(report.given, registry, [str(r) for r in robots])
+    report.problems += _check_given(report.given, registry, [str(r) for r in robots], report.others)
     if not robots:
-        report.problems += _namespaced_sections(report.given, ros.namespace or "/")
+        report.problems += _namespaced_sections(report.given, ros.namespace or "/", set(registry))
     report.problems += _fleet_robot_configs(report, robots, registry)
     return report
 
 
-def _check_given(given: list[Given], registry: dict[str, list[Param]], robots: list[str]) -> list[str]:
+def _check_given(given: list[Given], registry: dict[str, list[Param]], robots: list[str],
+                 others: list[str] | None = None) -> list[str]:
+    """The problems with `given` against the package's nodes; a section for a node of another package (a name
+    neither this package's nor close to one of its nodes' names) is no problem: ROS 2 lets each node take its
+    own section from a shared file. Such sections are added to `others` once each."""
     problems, unknown_sections = [], set()
     for g in given:
         if g.node in WILDCARDS:
@@ -343,14 +402,21 @@ def _check_given(given: list[Given], registry: dict[str, list[Param]], robots: l
         if g.node not in registry:
             if g.section not in unknown_sections:
                 unknown_sections.add(g.section)
-                problems.append(f"{g.section_where or g.where}: {g.section}: unknown node"
-                                + (_did_you_mean(g.node, list(registry)) or f" (this package's: {', '.join(registry)})"))
+                hint = _did_you_mean(g.node, list(registry))
+                if hint or g.node.startswith(PACKAGE_PREFIX):
+                    problems.append(f"{g.section_where or g.where}: {g.section}: unknown node"
+                                    + (hint or f" (this package's: {', '.join(registry)})"))
+                elif others is not None:
+                    others.append(f"{g.section_where or g.where}: {g.section}: not a node of this package (left to "
+                                  f"its own node)")
             continue
         specs = {p.name: p for p in registry[g.node]}
         if g.node == "oxygen_engine" and g.name not in specs and "." in g.name and robots:
             continue        # a fleet robot's <robot>.<key>: nodes/fleet.py checks them, before the model loads
         if g.name not in specs:
-            wrong = f"unknown parameter{_did_you_mean(g.name, list(specs))}"
+            owners = [node for node, params in registry.items() if any(p.name == g.name for p in params)]
+            wrong = (f"belongs to {' and '.join(owners)} (write it under {owners[0]}:)" if owners
+                     else f"unknown parameter{_did_you_mean(g.name, list(specs))}")
         else:
             p = specs[g.name]
             wrong = type_problem(p, g.value) or problem(p, g.value)
@@ -362,16 +428,35 @@ def _check_given(given: list[Given], registry: dict[str, list[Param]], robots: l
 
 
 def _did_you_mean(name: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
+    """A hint only for a name a typo away from one candidate: at most 2 edits (1 for names under 6 characters),
+    counted on what differs once a prefix shared by all the candidates (oxygen_) is set aside, so that a
+    name is never matched for the prefix alone."""
+    shared = os.path.commonprefix(candidates) if len(candidates) > 1 else ""
+    stem = name.removeprefix(shared) if name.startswith(shared) else name
+    allowed = 1 if len(stem) < 6 else 2
+    close = sorted((_edits(stem, c.removeprefix(shared)), c) for c in candidates)
+    return f" (did you mean {close[0][1]}?)" if close and close[0][0] <= allowed else ""
 
 
-def _namespaced_sections(given: list[Given], namespace: str) -> list[str]:
-    """Without a fleet every node runs in `namespace`: a section for a node in another namespace configures
-    nothing (a fleet's robot sections are nodes/fleet.py's to check against its robots)."""
+def _edits(a: str, b: str) -> int:
+    """Levenshtein distance, an adjacent swap counting as one edit (optimal string alignment)."""
+    rows = [list(range(len(b) + 1))]
+    for i, x in enumerate(a, 1):
+        row = [i]
+        for j, y in enumerate(b, 1):
+            row.append(min(rows[-1][j] + 1, row[j - 1] + 1, rows[-1][j - 1] + (x != y)))
+            if i > 1 and j > 1 and x == b[j - 2] and a[i - 2] == y:
+                row[j] = min(row[j], rows[-2][j - 2] + 1)
+        rows.append(row)
+    return rows[-1][-1]
+
+
+def _namespaced_sections(given: list[Given], namespace: str, nodes: set[str]) -> list[str]:
+    """Without a fleet every node of the package (`nodes`) runs in `namespace`: a section for one in another
+    namespace configures nothing (a fleet's robot sections are nodes/fleet.py's to check against its robots)."""
     problems, seen = [], set()
     for g in given:
-        if g.node in WILDCARDS or "*" in g.namespace or g.namespace == namespace or g.section in seen:
+        if g.node not in nodes or "*" in g.namespace or g.namespace == namespace or g.section in seen:
             continue
         seen.add(g.section)
         problems.append(f"{g.section_where or g.where}: {g.section}: configures no node: the nodes run in {namespace} (a namespace "

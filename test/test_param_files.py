@@ -66,7 +66,7 @@ def test_every_mistake_is_one_line_naming_file_node_and_key_all_listed_before_th
     assert "Traceback" not in r.stderr and ENGINE_LOG not in r.stdout + r.stderr, r.stdout + r.stderr
     expected = [
         f"{syntax}:4:4: not valid YAML",
-        f"{missing}: cannot read the parameters file: No such file or directory",
+        f"{missing}: cannot read the parameters file: not found",
         f"{bad}:3: oxygen_action.upper_limit: unknown parameter (did you mean upper_limits?)",
         f"{bad}:4: oxygen_action.hold_timeout_s = 'forever': must be a float",
         f"{bad}:5: oxygen_engin: unknown node (did you mean oxygen_engine?)",
@@ -240,3 +240,129 @@ def test_port_problems_name_each_port_and_skip_port_zero(busy_port):
                                                                                      busy_port)])
     assert problems[0].startswith(f"--console: port {busy_port} on 127.0.0.1 is in use")
     assert problems[1] == f"--console and --openpi-port both use port {busy_port}: give each its own"
+
+
+# ------------------------------------------------------------------------- files read once, safely (issue 40)
+def _refusal(path) -> str:
+    from oxygen_ros.param_files import read_file
+
+    given, problems = read_file(path)
+    assert given == [] and len(problems) == 1, problems
+    assert "\n" not in problems[0] and len(problems[0]) < 300, problems[0]
+    return problems[0]
+
+
+def test_alias_bombs_deep_nesting_and_non_utf8_are_one_line_refusals_without_building_anything(tmp_path):
+    """Before: a 632-byte alias bomb was still being expanded after 45 s at 740 MB, a recursive alias, 10,000
+    levels and non-UTF-8 bytes each ended in a traceback. rcl's parser expands no alias: refused at the first."""
+    import tracemalloc
+
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
+        f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n" for i in range(9))
+    bomb_file = write(tmp_path / "bomb.yaml", "oxygen_engine:\n  ros__parameters:\n" +
+                      "".join("    " + line + "\n" for line in bomb.splitlines()))
+    assert len(Path(bomb_file).read_bytes()) < 1000                  # 9^10 strings once expanded
+    tracemalloc.start()
+    try:
+        said = _refusal(bomb_file)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert said == f"{bomb_file}:4:12: not valid YAML: an alias (*a): ROS's parameter parser reads none; write the value"
+    assert peak < 4 << 20, f"{peak >> 20} MB while refusing it"
+    recursive = write(tmp_path / "recursive.yaml", "oxygen_engine:\n  ros__parameters: &p\n    seed: *p\n")
+    assert _refusal(recursive) == (f"{recursive}:3:11: not valid YAML: an alias (*p): ROS's parameter parser "
+                                   "reads none; write the value")
+    deep = write(tmp_path / "deep.yaml", "oxygen_engine:\n  ros__parameters:\n    seed: " + "[" * 10_000 + "]" * 10_000)
+    assert _refusal(deep).startswith(f"{deep}:3:") and _refusal(deep).endswith("nested deeper than 32 levels")
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(b"oxygen_engine:\n  ros__parameters:\n    prompt: caf\xe9\n")
+    assert _refusal(latin1) == (f"{latin1}:3: not UTF-8 text (byte 0xe9); ROS parameters files are UTF-8")
+
+
+def test_a_fifo_a_device_or_a_huge_file_is_refused_at_once(tmp_path):
+    """Before: a FIFO given as the params file hung the start (and Ctrl-C did not stop it)."""
+    from oxygen_ros.param_files import MAX_PARAMS_BYTES
+
+    fifo = tmp_path / "params.yaml"
+    os.mkfifo(fifo)
+    assert _refusal(fifo) == f"{fifo}: cannot read the parameters file: is a FIFO, not a regular file"
+    assert _refusal("/dev/zero") == "/dev/zero: cannot read the parameters file: is a device, not a regular file"
+    huge = tmp_path / "huge.yaml"
+    with open(huge, "wb") as f:
+        f.truncate(1 << 30)
+    assert _refusal(huge) == (f"{huge}: cannot read the parameters file: {1 << 30} bytes, more than the "
+                              f"{MAX_PARAMS_BYTES} such a file may have")
+
+
+def test_the_checker_and_rcl_see_the_same_parameters(tmp_path):
+    """Two ros__parameters blocks under one node (rcl applies both, the checker saw the last: a misspelled
+    upper_limit in the first went unseen), a name given twice, a NUL inside a quoted string (checked whole,
+    applied cut at the NUL): each refused with its file and line."""
+    from oxygen_ros.param_files import check
+
+    two = write(tmp_path / "two.yaml", "oxygen_action:\n  ros__parameters:\n    upper_limit: [0.1]\n"
+                                       "  ros__parameters:\n    replan_steps: 2\n")
+    assert check([two]).problems == [f"{two}:4: oxygen_action: a second ros__parameters block (the first at line "
+                                     "2): rcl applies both; write one"]
+    twice = write(tmp_path / "twice.yaml", "oxygen_action:\n  ros__parameters:\n    replan_steps: 2\n"
+                                           "    replan_steps: 3\n")
+    assert check([twice]).problems == [f"{twice}:4: oxygen_action.replan_steps: given twice under one node "
+                                       "(first at line 3); write it once"]
+    nul = write(tmp_path / "nul.yaml", 'oxygen_engine:\n  ros__parameters:\n    prompt: "pick\\0 the cube"\n'
+                                       '    robots: ["a\\0b"]\n')
+    assert check([nul]).problems == [
+        f"{nul}:3: oxygen_engine.prompt: a NUL character in a string: rcl would cut it there",
+        f"{nul}:4: oxygen_engine.robots: a NUL character in a string: rcl would cut it there"]
+
+
+def test_the_fleet_reads_the_files_with_the_checkers_reader_and_rcls_types(tmp_path):
+    from oxygen_ros.nodes.fleet import ParamsFiles
+
+    params = write(tmp_path / "fleet.yaml", "oxygen_engine:\n  ros__parameters:\n    robots: [arm_a]\n"
+                                            "    arm_a: {robot_config: droid, norm_stats: 'on', asset_id: 1_000}\n"
+                                            "/arm_a/oxygen_action:\n  ros__parameters: {replan_steps: 0x10, "
+                                            "rate: 1e3, flag: Off}\n")
+    files = ParamsFiles([params])
+    # PyYAML 1.1 reads 'on' quoted as 'on' too, but 1_000 as 1000 and Off as False; rcl: '1_000', 16, 1000.0, False
+    assert files.engine() == {"robots": ["arm_a"], "arm_a.robot_config": "droid", "arm_a.norm_stats": "on",
+                              "arm_a.asset_id": "1_000"}
+    assert files.node("/arm_a/oxygen_action") == {"replan_steps": 16, "rate": 1000.0, "flag": False}
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    assert ParamsFiles([fifo]).problems == [f"{fifo}: cannot read the parameters file: is a FIFO, not a regular file"]
+
+
+# ----------------------------------------------------------------- sections of other nodes (issue 41 item 4)
+def test_a_parameter_in_another_nodes_section_names_its_node_and_hints_only_close_names(tmp_path):
+    from oxygen_ros.param_files import check
+
+    params = write(tmp_path / "mixed.yaml", "oxygen_engine:\n  ros__parameters:\n    hold_timeout_s: 2.0\n"
+                                            "oxygen_camera:\n  ros__parameters:\n    rate_hz: 1.0\n"
+                                            "oxygen_engin:\n  ros__parameters:\n    seed: 1\n"
+                                            "robot_state_publisher:\n  ros__parameters:\n    publish_frequency: 20.0\n"
+                                            "    use_tf_static: true\n"
+                                            "/camera/realsense2_camera:\n  ros__parameters: {enable_depth: false}\n")
+    report = check([params])
+    assert report.problems[0] == f"{params}:3: oxygen_engine.hold_timeout_s: belongs to oxygen_action (write it under oxygen_action:)"
+    assert report.problems[1].startswith(f"{params}:4: oxygen_camera: unknown node (this package's: oxygen_engine, ")
+    assert "did you mean" not in report.problems[1]            # every node name shares oxygen_: no hint from that
+    assert report.problems[2] == f"{params}:7: oxygen_engin: unknown node (did you mean oxygen_engine?)"
+    assert len(report.problems) == 3
+    # ROS 2 lets each node take its own section from a shared file: other packages' sections are listed once
+    assert report.others == [f"{params}:10: robot_state_publisher: not a node of this package (left to its own node)",
+                             f"{params}:14: /camera/realsense2_camera: not a node of this package (left to its own node)"]
+
+
+def test_did_you_mean_only_for_a_name_a_typo_away():
+    from oxygen_ros.param_files import _did_you_mean
+
+    nodes = ["oxygen_engine", "oxygen_action", "oxygen_recorder", "oxygen_view"]
+    assert _did_you_mean("oxygen_engin", nodes) == " (did you mean oxygen_engine?)"
+    assert _did_you_mean("oxygen_acton", nodes) == " (did you mean oxygen_action?)"
+    for far in ("oxygen_camera", "oxygen_record_node", "oxygen_", "camera"):
+        assert _did_you_mean(far, nodes) == "", far
+    assert _did_you_mean("upper_limit", ["upper_limits", "lower_limits"]) == " (did you mean upper_limits?)"
+    assert _did_you_mean("hold_timeout_s", ["max_timeout_s", "seed"]) == ""
+    assert _did_you_mean("rate", ["rate_hz", "seed"]) == ""       # 3 edits from a short name

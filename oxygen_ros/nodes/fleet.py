@@ -29,7 +29,6 @@ import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-import yaml
 
 from oxygen_ros.robot.configs import find_config
 from oxygen_ros.robot.policy_io import RobotIOConfig
@@ -73,24 +72,21 @@ def _section_name(node: str) -> str:
 
 
 class ParamsFiles:
-    """ROS parameter files as rcl reads them: node section -> flat parameters, later files winning."""
+    """ROS parameter files as rcl reads them: node section -> flat parameters, later files winning. Read by
+    the checker's reader (param_files.read_file: bounded, regular files only, rcl's value types, aliases and
+    duplicate blocks refused), so that the fleet sees what the checker checked and rcl applies."""
 
     def __init__(self, paths: list[str | Path] = ()):
+        from oxygen_ros.param_files import read_file
+
         self.sections: dict[str, dict] = {}
         self.problems: list[str] = []
         for path in paths:
-            try:
-                data = yaml.safe_load(Path(path).read_text()) or {}
-            except (OSError, yaml.YAMLError) as e:
-                self.problems.append(f"{path}: cannot read the parameters: {e}")
-                continue
-            if not isinstance(data, dict):
-                self.problems.append(f"{path}: not a ROS parameters file (node name: ros__parameters: ...)")
-                continue
-            for node, body in data.items():
-                params = body.get("ros__parameters") or {} if isinstance(body, dict) else {}
-                name = node if node == "/**" else _section_name(node)
-                self.sections.setdefault(name, {}).update(flatten(params))
+            given, problems = read_file(path)
+            self.problems += problems
+            for g in given:
+                name = g.section if g.section == "/**" else _section_name(g.section)
+                self.sections.setdefault(name, {})[g.name] = g.value
 
     def node(self, name: str) -> dict:
         """The parameters node `name` (fully qualified) gets: the `/**` section, then its own."""
