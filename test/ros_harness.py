@@ -19,8 +19,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def private_domain(offset: int) -> int:
-    """A DDS domain id of this test process (0..101 are valid with the default port mapping)."""
-    return 1 + (os.getpid() * 7 + offset) % 100
+    """A DDS domain id of this test process (1..100: valid with the default port mapping). Tests run in
+    parallel workers (pytest-xdist, scripts/test.sh): each worker draws from its own share of the range, so
+    two workers' processes never meet on one domain."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    span = 100 // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    return 1 + index * span + (os.getpid() * 7 + offset) % span
 
 
 class Bringup:
