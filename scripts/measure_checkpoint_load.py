@@ -1,7 +1,7 @@
 """Peak resident memory while loading a full-size π0.5 checkpoint (docs/robots.md, "Getting a checkpoint").
 
     python scripts/measure_checkpoint_load.py write <folder> --dtype bfloat16    # ~7 GB (float32: ~14.5 GB)
-    python scripts/measure_checkpoint_load.py load <folder> --dtype bfloat16     # prints one JSON line
+    python scripts/measure_checkpoint_load.py load <folder> --dtype bfloat16     # prints one JSON line (served in --dtype)
 
 `write` lays out random weights as LeRobot publishes pi05 (model.safetensors with `model.` keys, embed_tokens and
 lm_head both stored), one tensor at a time straight to the file, so the writer never holds the model. `load` runs
@@ -56,6 +56,7 @@ def write(folder: Path, dtype: str) -> None:
 
 
 def load(folder: Path, dtype: str) -> None:
+    """Load into `dtype` (the serving dtype; the file's own dtype is whatever `write` wrote)."""
     from oxygen_ros.model.checkpoint import load_pi05
     from oxygen_ros.model.config import preset
 
@@ -80,7 +81,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", choices=["write", "load"])
     parser.add_argument("folder", type=Path)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                        help="write: the file's dtype; load: the serving dtype")
     args = parser.parse_args()
     (write if args.action == "write" else load)(args.folder, args.dtype)
 

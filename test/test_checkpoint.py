@@ -407,3 +407,30 @@ def test_a_differing_lerobot_lm_head_is_the_text_head_and_an_equal_one_is_not_ke
     assert torch.equal(loaded.lm_head, head)
     write(tmp_path / "tied", lerobot_tensors_with_head(model, model.embed_tokens.weight.detach().clone()))
     assert load_pi05(tmp_path / "tied", CFG).lm_head is None
+
+
+def file_mapped(tensor: torch.Tensor, path: Path) -> bool:
+    """Whether the tensor's memory lies in a memory map of `path` (Linux /proc/self/maps)."""
+    address = tensor.untyped_storage().data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        if low <= address < high:
+            return len(fields) > 5 and fields[5] == str(path.resolve())
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_weights_in_the_serving_dtype_stay_mapped_and_converted_ones_are_read_apart(tmp_path):
+    """A weight already in the serving dtype is the file's memory map (never a second copy); one converted is
+    read into memory of its own (no page of the file kept resident for it) and equal to the mapped value cast."""
+    model = random_model()
+    save_checkpoint(model, tmp_path, "openpi")
+    file = tmp_path / "model.safetensors"
+    mapped = load_pi05(tmp_path, CFG, dtype=torch.float32)
+    converted = load_pi05(tmp_path, CFG, dtype=torch.bfloat16)
+    q = "vlm_layers.0.q_proj.weight"
+    assert file_mapped(dict(mapped.named_parameters())[q], file)
+    assert not file_mapped(dict(converted.named_parameters())[q], file)
+    for (name, a), (_, b) in zip(mapped.named_parameters(), converted.named_parameters()):
+        assert torch.equal(a.to(b.dtype), b), name

@@ -22,6 +22,7 @@ built on the meta device, so a full-size checkpoint is never held twice.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -452,7 +453,7 @@ def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "c
     fmt, mapping, adapter = _weights_and_adapter(path, cfg)
     with torch.device("meta"):
         model = Pi05(cfg)
-    state, handles = {}, {}
+    state, handles, headers = {}, {}, {}
     try:
         if adapter is not None:
             handles[adapter.weights] = _open(adapter.weights)
@@ -462,15 +463,16 @@ def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "c
             f, key = mapping[name]
             if f not in handles:
                 handles[f] = _open(f)
-            tensor = handles[f].get_tensor(key)
+            target = param_dtype(name, dtype, islands)
+            tensor = _read_tensor(handles[f], f, key, device, target, headers, mapped=adapter is None)
             if adapter is not None:
                 tensor = adapter.merged(lerobot_name(name), tensor, handles[adapter.weights])
-            state[name] = tensor.to(device=device, dtype=param_dtype(name, dtype, islands))
+            state[name] = tensor.to(device=device, dtype=target)
         if "lm_head.weight" in mapping:
             f, key = mapping["lm_head.weight"]
             if f not in handles:
                 handles[f] = _open(f)
-            head = handles[f].get_tensor(key).to(device=device, dtype=dtype)
+            head = _read_tensor(handles[f], f, key, device, dtype, headers).to(device=device, dtype=dtype)
     finally:
         handles.clear()
     model.load_state_dict(state, strict=True, assign=True)
@@ -482,6 +484,43 @@ def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "c
                         f"embed_tokens (as LeRobot does), text logits with lm_head")
     model.time_grid = fmt           # denoised on its format's flow-time grid (pi05.TIME_GRIDS)
     return model.eval().requires_grad_(False)
+
+
+_SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+def _read_tensor(handle, f, key: str, device, dtype: torch.dtype, headers: dict, mapped: bool = True) -> torch.Tensor:
+    """Tensor `key` of file `f`, to be served on `device` in `dtype`. On the CPU in the file's own dtype: a view
+    of the file's memory map (no copy; its pages are read on first use). Otherwise it is read with pread into
+    memory of its own, so that no mapped page stays resident once its tensor is converted (through the map, a
+    float32 file served in bfloat16, or on a GPU, would hold the whole file resident until the load ends)."""
+    if isinstance(f, JaxParams):
+        return handle.get_tensor(key)
+    info = handle.get_slice(key)
+    stored = _SAFETENSORS_DTYPES[info.get_dtype()]
+    if mapped and torch.device(device).type == "cpu" and stored == dtype:
+        return handle.get_tensor(key)
+    out = torch.empty(list(info.get_shape()), dtype=stored)
+    view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+    offset = _data_offset(f, key, headers)
+    with open(f, "rb", buffering=0) as file:
+        done = 0
+        while done < len(view):
+            n = os.preadv(file.fileno(), [view[done:]], offset + done)
+            if not n:
+                raise CheckpointError(f"{f}: {key} is cut short")
+            done += n
+    return out
+
+
+def _data_offset(f: Path, key: str, headers: dict) -> int:
+    """Where tensor `key`'s bytes start in safetensors file `f` (its header read once per load, in `headers`)."""
+    if f not in headers:
+        with open(f, "rb") as file:
+            size = int.from_bytes(file.read(8), "little")
+            headers[f] = (8 + size, json.loads(file.read(size)))
+    base, entries = headers[f]
+    return base + entries[key]["data_offsets"][0]
 
 
 def _max_difference(a: torch.Tensor, b: torch.Tensor, rows: int = 4096) -> float:
