@@ -411,3 +411,18 @@ def test_one_message_has_a_time_budget(lerobot_classes, monkeypatch):
     data = inside(lerobot_classes, [np.zeros(4, np.uint8) for _ in range(4)])
     e = refusal(data, limits=DecodeLimits(max_seconds=0.5))
     assert type(e) is TooLarge and "decoding took more than 0.5 s" in str(e), str(e)
+
+
+def test_a_tensor_camera_fits_the_budget_of_its_own_bytes(lerobot_classes):
+    """A plugin robot's camera as a torch tensor: its storage and the tensor made of it are one image's bytes
+    (the rebuild of a storage's first tensor is not a second charge), so it decodes within a budget of its
+    bytes; two such cameras do not."""
+    image = torch.randint(0, 256, (96, 128, 3), dtype=torch.uint8)
+    sent = lerobot_classes.TimedObservation(0.0, 0, {"front": image, "task": ""})
+    data = pickle.dumps(sent)
+    assert len(data) < 2 * image.numel()
+    got = decode(data, TimedObservation, DecodeLimits(max_built_bytes=image.numel()))
+    assert torch.equal(got.observation["front"], image)
+    twice = lerobot_classes.TimedObservation(0.0, 0, {"a": image, "b": image[1:], "task": ""})
+    e = refusal(pickle.dumps(twice), limits=DecodeLimits(max_built_bytes=image.numel()))
+    assert type(e) is TooLarge and f"would build more than {image.numel()} bytes" in str(e)

@@ -21,9 +21,9 @@ module decodes with a restricted unpickler instead:
      the allowed kinds only, arrays materialised.
 
 What a message BUILDS is budgeted, not only what it sends (`_Budget`, one per message): every array, tensor
-and storage copy is charged before it is made, against `max_built_bytes` (by default the message's own
-length: an honest pickle carries every byte its arrays hold, so only memo reuse of one buffer could build
-more) and `max_arrays`; the walk of step 4 counts every object it visits against `max_opcodes` (a container
+storage and further tensor of one storage is charged before it is made, against `max_built_bytes` (by
+default the message's own length: an honest pickle carries every byte its arrays hold, so only memo reuse
+of one buffer could build more) and `max_arrays`; the walk of step 4 counts every object it visits against `max_opcodes` (a container
 reached again through the memo would be copied once per reference: an honest pickle visits at most one
 object per opcode); and the whole decode has `max_seconds`. A 1 MiB buffer named 2,000 times, or feature
 lists referencing each other 10^8 times, are refused in milliseconds, having built at most their budget.
@@ -331,6 +331,7 @@ class _StorageKind:
 @dataclass
 class _Storage:
     data: torch.Tensor        # 1-D, its own memory
+    rebuilt: bool = False     # a tensor was made of it (its first tensor is its bytes, already charged)
 
 
 class _Unpickler(pickle.Unpickler):
@@ -419,7 +420,9 @@ def _torch_globals(budget: _Budget) -> dict:
         if numel and (numel > available or offset + sum((s - 1) * st for s, st in zip(size, stride)) >= available):
             raise Refused(f"tensor of size {list(size)} (stride {list(stride)}, offset {offset}) does not lie "
                           f"inside its storage of {available} elements")
-        budget.build(numel * storage.data.element_size(), "tensor")
+        if storage.rebuilt:                  # one more copy of the same bytes (a view, or memo reuse)
+            budget.build(numel * storage.data.element_size(), "tensor")
+        storage.rebuilt = True
         return torch.as_strided(storage.data, size, stride, offset).clone()
 
     return {("torch._utils", "_rebuild_tensor_v2"): rebuild,
