@@ -399,3 +399,48 @@ def test_a_damaged_bucket_object_is_refused(bucket, tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="md5 .* where the listing says"):
         resolve_checkpoint("gs://openpi-assets/checkpoints/pi05_tiny", openpi_cache=tmp_path)
     assert not (tmp_path / "openpi-assets" / "checkpoints" / "pi05_tiny").exists()
+
+
+# ------------------------------------------------------------------------------- where names are accepted
+
+def configure_engine_node(checkpoint: str):
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.parameter import Parameter
+
+    from oxygen_ros.nodes.engine_node import EngineNode
+
+    context = Context()
+    rclpy.init(context=context, args=["test"])
+    node = EngineNode(context=context, check_capacity=False, parameter_overrides=[
+        Parameter("model", value="tiny"), Parameter("checkpoint", value=checkpoint),
+        Parameter("kv_budget_mb", value=8.0)])
+    try:
+        node.trigger_configure()
+        return node.engine is not None, node.failure
+    finally:
+        node.destroy_node()
+        rclpy.shutdown(context=context)
+
+
+def test_the_engine_node_takes_a_hub_id_as_its_checkpoint(tmp_path, monkeypatch):
+    """The `checkpoint` parameter (oxygen_bringup, oxygen_serve, a params file) names a hub repo: fetched into
+    the hub cache and served; a missing repo is the node's one-line refusal before anything loads."""
+    from huggingface_hub import constants
+
+    from oxygen_ros.model.checkpoint import init_random_weights, save_checkpoint
+    from oxygen_ros.model.config import preset
+    from oxygen_ros.model.pi05 import Pi05
+
+    save_checkpoint(init_random_weights(Pi05(preset("tiny"))), tmp_path / "repo", fmt="lerobot")
+    fake = FakeHub({"someone/pi05_tiny": tmp_path / "repo"})
+    monkeypatch.setenv("HF_ENDPOINT", fake.endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    try:
+        assert configure_engine_node("someone/pi05_tiny") == (True, "")
+        assert (tmp_path / "hf" / "models--someone--pi05_tiny" / "snapshots" / COMMIT / "model.safetensors").is_file()
+        served, failure = configure_engine_node("someone/nothing")
+    finally:
+        fake.close()
+    assert not served
+    assert failure.startswith("someone/nothing: no such repo on the hub") and "\n" not in failure, failure

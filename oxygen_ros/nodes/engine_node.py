@@ -33,6 +33,7 @@ from oxygen_ros.engine.engine import Engine
 from oxygen_ros.engine.factory import build_engine, file_problems, model_config
 from oxygen_ros.model.checkpoint import LoadStopped, checkpoint_settings, lerobot_policy
 from oxygen_ros.model.config import LIMITS, PREFIX_MODES, PRESETS
+from oxygen_ros.model.download import is_remote, resolve_checkpoint
 from oxygen_ros.progress import LongTask, human_bytes, size_of
 from oxygen_ros.robot.policy_io import RobotIOConfig
 
@@ -45,8 +46,9 @@ ENGINE_PARAMS = [Param(name, default, description, choices, minimum, maximum)
                  for name, default, description, choices, minimum, maximum in node_settings()]
 PARAMS = ENGINE_PARAMS + [
     Param("model", "tiny", "Model size: a preset (tiny, bench, pi05) or a model config file (JSON/YAML)."),
-    Param("checkpoint", "", "openpi or LeRobot pi05 checkpoint (directory with model.safetensors, or the "
-                            "file). Empty: deterministic random weights (demo and benchmarks only)."),
+    Param("checkpoint", "", "openpi or LeRobot pi05 checkpoint: a directory (model.safetensors), the file, a hub "
+                            "id org/name[@revision] or a gs:// URL (fetched once into the hub's / openpi's cache). "
+                            "Empty: deterministic random weights (demo and benchmarks only)."),
     Param("tokenizer", "", "SentencePiece model (the PaliGemma tokenizer for real checkpoints). Empty: the "
                            "small tokenizer shipped for the tiny/bench presets."),
     Param("norm_stats", "", "openpi norm_stats.json, a checkpoint directory holding "
@@ -277,6 +279,13 @@ class EngineNode(LifecycleNode):
         p = self.p
         if p["model"] not in PRESETS and not Path(p["model"]).is_file():
             problems.append(f"model {p['model']!r} is neither a preset ({', '.join(PRESETS)}) nor a config file")
+        for key in ("checkpoint", "norm_stats"):       # a hub id or gs:// URL: fetched once, verified
+            if isinstance(p[key], str) and p[key] and is_remote(p[key]):
+                try:
+                    p = dict(p, **{key: str(resolve_checkpoint(p[key], self.get_logger().info))})
+                except ValueError as e:
+                    problems.append(str(e))
+                    p = dict(p, **{key: ""})
         for key in ("checkpoint", "tokenizer", "norm_stats"):
             if p[key] and not Path(p[key]).exists():
                 problems.append(f"{key} not found: {p[key]}")
