@@ -444,3 +444,18 @@ def test_the_engine_node_takes_a_hub_id_as_its_checkpoint(tmp_path, monkeypatch)
         fake.close()
     assert not served
     assert failure.startswith("someone/nothing: no such repo on the hub") and "\n" not in failure, failure
+
+
+def test_a_disk_filling_up_during_the_download_is_one_line(hub, tmp_path, monkeypatch):
+    import errno
+
+    import huggingface_hub
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", full)
+    with pytest.raises(CheckpointError, match=r"someone/pi05_tiny: the disk of .* is full \(1\.\d MB needed\): "
+                                              r"free space or set HF_HUB_CACHE elsewhere") as e:
+        resolve_checkpoint("someone/pi05_tiny", hub_cache=tmp_path, endpoint=hub.endpoint)
+    assert "\n" not in str(e.value)
