@@ -176,7 +176,8 @@ def test_actions_per_chunk_must_be_an_int_within_the_horizon(n):
     with served() as server:
         client = RobotClientReplay(server.port)
         code, text = status_of(lambda: client.start(actions_per_chunk=n))
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and f"actions_per_chunk {n!r} must be an int in 1..{HORIZON}" in text
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"actions_per_chunk {n!r} must be an int in 1..{HORIZON}" in text
         client.close()
 
 

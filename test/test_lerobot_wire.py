@@ -391,7 +391,8 @@ def test_the_built_bytes_and_array_count_budgets(lerobot_classes):
     sent = lerobot_classes.TimedObservation(0.0, 0, {"img": np.zeros(2000, np.uint8), "task": ""})
     e = refusal(pickle.dumps(sent), limits=DecodeLimits(max_built_bytes=1999))
     assert type(e) is TooLarge and "would build more than 1999 bytes" in str(e)
-    assert decode(pickle.dumps(sent), TimedObservation, DecodeLimits(max_built_bytes=2000)).observation["img"].size == 2000
+    got = decode(pickle.dumps(sent), TimedObservation, DecodeLimits(max_built_bytes=2000))
+    assert got.observation["img"].size == 2000
     many = lerobot_classes.TimedObservation(0.0, 0, {f"a{i}": np.zeros(1, np.uint8) for i in range(9)} | {"task": ""})
     e = refusal(pickle.dumps(many), limits=DecodeLimits(max_arrays=8))
     assert type(e) is TooLarge and "more than 8 arrays and tensors" in str(e)

@@ -35,9 +35,9 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import logging
 import math
 import queue
-import logging
 import threading
 import time
 from concurrent import futures

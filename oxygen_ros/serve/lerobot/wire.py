@@ -21,12 +21,13 @@ module decodes with a restricted unpickler instead:
      the allowed kinds only, arrays materialised.
 
 What a message BUILDS is budgeted, not only what it sends (`_Budget`, one per message): every array, tensor
-storage and further tensor of one storage is charged before it is made, against `max_built_bytes` (by
-default the message's own length: an honest pickle carries every byte its arrays hold, so only memo reuse
-of one buffer could build more) and `max_arrays`; the walk of step 4 counts every object it visits against `max_opcodes` (a container
-reached again through the memo would be copied once per reference: an honest pickle visits at most one
-object per opcode); and the whole decode has `max_seconds`. A 1 MiB buffer named 2,000 times, or feature
-lists referencing each other 10^8 times, are refused in milliseconds, having built at most their budget.
+storage and further tensor of one storage is charged before it is made, against `max_built_bytes` (by default
+the message's own length: an honest pickle carries every byte its arrays hold, so only memo reuse of one
+buffer could build more) and `max_arrays`; the walk of step 4 counts every object it visits against
+`max_opcodes` (a container reached again through the memo would be copied once per reference: an honest pickle
+visits at most one object per opcode); and the whole decode has `max_seconds`. A 1 MiB buffer named 2,000
+times, or feature lists referencing each other 10^8 times, are refused in milliseconds, having built at most
+their budget.
 
 Every refusal is a `Refused` (the peer sent something malformed or not allowed) or `TooLarge` (over a
 limit) with the reason; the server turns them into INVALID_ARGUMENT / RESOURCE_EXHAUSTED.
