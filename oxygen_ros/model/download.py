@@ -5,7 +5,7 @@ oxygen_serve, a params file), by one of:
 - a local folder or weights file (used as it is);
 - a Hugging Face hub id, `org/name` or `org/name@revision` (a branch, tag or commit), as LeRobot's
   `from_pretrained` takes it: fetched with huggingface_hub into its own cache (HF_HOME, HF_HUB_CACHE,
-  HF_HUB_OFFLINE and HF_ENDPOINT honoured; interrupted downloads resume). A local folder of the same name wins,
+  HF_HUB_OFFLINE and HF_ENDPOINT honoured; files already fetched are kept). A local folder of the same name wins,
   as in LeRobot;
 - a `gs://bucket/path` URL, as openpi's `download.maybe_download` takes it: fetched anonymously with fsspec
   (gcsfs) into openpi's cache layout (`$OPENPI_DATA_HOME` or ~/.cache/openpi, `<bucket>/<path>`), under the
