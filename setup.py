@@ -30,6 +30,7 @@ setup(
     entry_points={
         "console_scripts": [
             f"oxygen_bringup = {PACKAGE}.bringup:main",
+            f"oxygen_ctl = {PACKAGE}.ctl:main",
             f"oxygen_bench = {PACKAGE}.bench.__main__:main",
             f"oxygen_oracle = {PACKAGE}.tools.oracle:main",
             f"oxygen_replay = {PACKAGE}.record.replay:main",

@@ -3,6 +3,7 @@
     ros2 launch oxygen_ros oxygen.launch.py robot:=libero params_file:=/path/to/overrides.yaml
     ros2 launch oxygen_ros oxygen.launch.py robot:=droid managed:=true record:=/data/bags console:=8080
     ros2 launch oxygen_ros oxygen.launch.py robot:='' params_file:=/path/to/fleet.yaml   # one engine, many robots
+    ros2 launch oxygen_ros oxygen.launch.py robot:=droid namespace:=robot2   # a second robot on the same domain
 
 One process (oxygen_bringup) composes the engine and the observation, action and conversation nodes,
 so language requests reach the frame KV cache through in-process handles; `robot` picks
@@ -26,7 +27,7 @@ def _bringup(context):
     for flag in ("demo", "managed"):
         if LaunchConfiguration(flag).perform(context).lower() in ("true", "1"):
             arguments.append(f"--{flag}")
-    for option in ("record", "console"):
+    for option in ("record", "console", "namespace"):
         value = LaunchConfiguration(option).perform(context)
         if value:
             arguments += [f"--{option}", value]
@@ -44,5 +45,7 @@ def generate_launch_description():
                               description="leave /oxygen_engine's lifecycle transitions to a lifecycle manager"),
         DeclareLaunchArgument("record", default_value="", description="record the run as ROS 2 MCAP into this directory"),
         DeclareLaunchArgument("console", default_value="", description="serve the operator console on this port"),
+        DeclareLaunchArgument("namespace", default_value="",
+                              description="ROS namespace of every node (two robots on one ROS domain: robot1, robot2)"),
         OpaqueFunction(function=_bringup),
     ])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import threading
@@ -27,6 +28,10 @@ import time
 from pathlib import Path
 
 ROBOTS = ("libero", "droid", "aloha", "so101", "demo")
+NAMESPACE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(/[A-Za-z_][A-Za-z0-9_]*)*")
+ANSWER_LINGER_S = 1.0   # the nodes stay after answering at a stop, for DDS to deliver (ProcessNodes.destroy)
+DISCOVERY_S = 1.0       # how long the start looks for another engine before the load (DDS discovery: < 1 s locally;
+                        # one found later, during the load, is found again before activating)
 
 
 def parse_args(argv):
@@ -47,6 +52,9 @@ def parse_args(argv):
                         help="leave oxygen_engine unconfigured: a lifecycle manager drives its transitions")
     parser.add_argument("--threads", type=int, default=10,
                         help="threads of the services executor (streaming goals hold one each)")
+    parser.add_argument("--namespace", metavar="NAME",
+                        help="run every node in this ROS namespace (/NAME/oxygen_engine, /NAME/oxygen/action, "
+                             "...; the params files' node sections apply there): two robots on one ROS domain")
     from .param_files import split_ros_args
     from .serve.cli import add_bringup_arguments, bringup_problems, fill_server_defaults
     add_bringup_arguments(parser)
@@ -56,6 +64,11 @@ def parse_args(argv):
         parser.error(f"unrecognized arguments: {' '.join(stray)} (ROS arguments follow --ros-args)")
     if args.demo and args.robot is None:
         args.robot = "demo"
+    if args.namespace is not None:
+        args.namespace = args.namespace.strip("/")
+        if not NAMESPACE.fullmatch(args.namespace):
+            parser.error(f"--namespace {args.namespace!r}: a ROS namespace is names of letters, digits and _ "
+                         "(not starting with a digit) joined by /, e.g. robot2 or lab/robot2")
     for problem in bringup_problems(args):
         parser.error(problem)
     fill_server_defaults(args)
@@ -300,16 +313,27 @@ class ProcessNodes:
             robot.action.set_enabled(False)
 
     def deactivate(self, reason: str) -> None:
+        self._answers_at_stop = self._answers()
         for robot in self.robots:
             robot.deactivate(reason)
 
+    def _answers(self) -> int:
+        """Conversation answers sent so far (replies, refusals, streams), every robot's."""
+        return sum(sum(robot.conversation.counts.values()) for robot in getattr(self, "robots", [])
+                   if robot.conversation is not None)
+
     def destroy(self, reason: str = "") -> None:
         """Every pending question answered (refused with `reason`) while the executors still spin, then the
-        nodes leave their executors and are destroyed."""
+        nodes leave their executors and are destroyed. Answers sent since the stop began keep the nodes for
+        ANSWER_LINGER_S more: a response handed to DDS is delivered by the service's writer after the call
+        returns, and a writer destroyed first (the process exiting) lost it (1 run in 3 of a question in
+        flight at Ctrl-C)."""
         closing = [robot.conversation.close for robot in getattr(self, "robots", [])
                    if robot.conversation is not None and getattr(self, "_placed", None)]
         for close in closing:
             self._safely(close, reason or "engine stopped")
+        if closing and self._answers() != getattr(self, "_answers_at_stop", self._answers()):
+            time.sleep(ANSWER_LINGER_S)
         for node in (self.console, self.recorder):
             if node is not None:
                 self._safely(node.close)
@@ -398,6 +422,69 @@ def startup_refusal(args, files: list[str], ros_args: list[str]) -> str:
     return "\n".join(lines)
 
 
+def in_namespace(params_file: Path, namespace: str) -> Path:
+    """A copy of `params_file` whose node sections apply in /`namespace` (rcl matches a section such as
+    `oxygen_engine:` against the node's full name, /oxygen_engine): each top-level section without a leading
+    / becomes /`namespace`/<section>; wildcards and full names stay. Line for line, so that rcl's messages
+    keep their line numbers."""
+    import hashlib
+    import tempfile
+
+    text = re.sub(r"^(?=[A-Za-z_])", f"/{namespace}/", params_file.read_text(), flags=re.MULTILINE)
+    digest = hashlib.sha1(f"{params_file.resolve()}\0{text}".encode()).hexdigest()[:12]
+    out = Path(tempfile.gettempdir()) / f"oxygen_{params_file.stem}_{namespace.replace('/', '_')}_{digest}.yaml"
+    out.write_text(text)
+    return out
+
+
+def startup_topics(files: list[str], ros_args: list[str]) -> dict[str, str]:
+    """{what: topic name as the nodes will have it (relative: in the process's namespace)}: where this
+    process will command its robot, and where it reads the robot's state."""
+    from .nodes.action_publisher import PARAMS as ACTION
+    from .nodes.observation_node import params_for
+    from .param_files import check
+
+    report = check(files, ros_args)
+    action = dict({p.name: p.default for p in ACTION}, **report.values("oxygen_action"))
+    observation = report.values("oxygen_observation")
+    state_default = next(p.default for p in params_for(()) if p.name == "state_topic")
+    return {"commands": str(action["action_topic"]), "state": str(observation.get("state_topic", state_default))}
+
+
+def crosswiring(node, topics: dict[str, str], own: int = 0, wait_s: float = 0.0) -> str:
+    """Why this process must not start next to what already runs on its ROS domain (empty: nothing): another
+    oxygen_engine under the same name, another node publishing on its command topic, another oxygen_observation
+    reading its state topic: each robot would get both engines' commands, each engine both robots' inputs.
+    `own`: how many of those this process has built itself (0 before the load, 1 after). Looks for `wait_s`
+    (DDS discovery takes a moment) before deciding there is none."""
+    domain = os.environ.get("ROS_DOMAIN_ID", "0") or "0"
+    name = node.get_fully_qualified_name()
+    commands = node.resolve_topic_name(topics["commands"])
+    state = node.resolve_topic_name(topics["state"])
+    ways_out = (f"give this one another ROS_DOMAIN_ID (now {domain}) or a namespace (oxygen_bringup --namespace "
+                "robot2; ros2 launch ... namespace:=robot2)")
+    deadline = time.monotonic() + wait_s
+    while True:
+        engines = [n for n, ns in node.get_node_names_and_namespaces()
+                   if f"{ns.rstrip('/')}/{n}" == name]
+        publishers = node.get_publishers_info_by_topic(commands)
+        readers = [i for i in node.get_subscriptions_info_by_topic(state) if i.node_name == "oxygen_observation"]
+        if len(engines) > 1:
+            return (f"oxygen_bringup: refusing to start: another {name} runs on ROS domain {domain}: its robot "
+                    f"would get both engines' commands; {ways_out}")
+        if len(publishers) > own:
+            other = next(f"{i.node_namespace.rstrip('/')}/{i.node_name}" for i in publishers)
+            return (f"oxygen_bringup: refusing to start: {other} already publishes on {commands} (ROS domain "
+                    f"{domain}): the robot would get two streams of commands; {ways_out}")
+        if len(readers) > own:
+            other = next(f"{i.node_namespace.rstrip('/')}/{i.node_name}" for i in readers)
+            return (f"oxygen_bringup: refusing to start: {other} already reads {state} (ROS domain {domain}): "
+                    f"two engines would act on one robot's state; {ways_out}")
+        if time.monotonic() >= deadline:
+            return ""
+        time.sleep(0.1)
+
+
 def _file_problems(engine: dict, console: dict, record_path) -> list[str]:
     """The files the start needs that can be checked without the model, one line each: the engine's
     checkpoint, tokenizer and norm stats (there at all; their contents are the engine node's), the console's
@@ -468,6 +555,10 @@ def run(argv: list[str], stop) -> int:
         print(f"oxygen_bringup: robot config {files[0]}", flush=True)
     if args.robot == "demo":
         files.insert(1, str(demo_weights_params()))
+    if args.namespace and fleet:
+        print(f"oxygen_bringup: --namespace with a fleet (robots: {fleet}): each fleet robot has its own "
+              "namespace (<robot>.namespace, docs/fleet.md)", file=sys.stderr)
+        return 2
     refusal = startup_refusal(args, files, ros_args)
     if refusal:
         print(refusal, file=sys.stderr)
@@ -475,8 +566,11 @@ def run(argv: list[str], stop) -> int:
     if stop.is_set():                      # Ctrl-C during the imports and checks
         print("oxygen_bringup: interrupted while starting: stopped before running", flush=True)
         return INTERRUPTED
-    rcl_args = ["oxygen_bringup", "--ros-args"] + [a for f in files for a in ("--params-file", f)]
+    rcl_files = [str(in_namespace(Path(f), args.namespace)) for f in files] if args.namespace else files
+    rcl_args = ["oxygen_bringup", "--ros-args"] + [a for f in rcl_files for a in ("--params-file", f)]
     rcl_args += [a for a in ros_args if a != "--ros-args"]
+    if args.namespace:
+        rcl_args += ["-r", f"__ns:=/{args.namespace}"]
     sys.setswitchinterval(0.001)
     rclpy.init(args=rcl_args, signal_handler_options=SignalHandlerOptions.NO)
     executors = Executors(args.threads)
@@ -486,6 +580,10 @@ def run(argv: list[str], stop) -> int:
     nodes = [engine_node]
     servers = []            # the openpi and LeRobot clients' (--openpi-port, --lerobot-port)
     try:
+        crossing = crosswiring(engine_node, startup_topics(files, ros_args), wait_s=DISCOVERY_S)
+        if crossing:
+            print(crossing, file=sys.stderr)
+            return 2
         executors.services.add_node(engine_node)
         if not args.managed:
             # The bringup is the lifecycle manager: configure (load, check everything), then activate.
@@ -496,6 +594,11 @@ def run(argv: list[str], stop) -> int:
             if engine_node.failure:        # its problems: logged by oxygen_engine just above, each once
                 print("oxygen_bringup: refusing to start, bad parameters (oxygen_engine's configure failed: "
                       "above)", file=sys.stderr)
+                return 2
+            # Again once loaded (another engine may have started meanwhile), now with this process's own nodes.
+            crossing = crosswiring(engine_node, startup_topics(files, ros_args), own=1)
+            if crossing:
+                print(crossing, file=sys.stderr)
                 return 2
             engine_node.trigger_activate()
             from .serve.cli import start_for_bringup

@@ -5,10 +5,11 @@ import subprocess
 import sys
 
 from conftest import REPO
+from ros_harness import private_domain  # a domain of this test process: no other bringup on it
 
 
 def bringup(*args, timeout=120):
-    env = dict(os.environ, ROS_DOMAIN_ID="0", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, ROS_DOMAIN_ID=str(private_domain(91)), PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", "oxygen_ros.bringup", *args, "--duration", "1"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from conftest import REPO
+from ros_harness import private_domain  # a domain of this test process: no other bringup on it
 
 IGNORE = shutil.ignore_patterns(".venv", ".git", "build", "install", "log", "__pycache__", "*.egg-info",
                                 ".pytest_cache", "out")
@@ -19,7 +20,7 @@ IGNORE = shutil.ignore_patterns(".venv", ".git", "build", "install", "log", "__p
 def test_colcon_build_and_the_installed_bringup_starts_from_its_share_directory(tmp_path):
     ws = tmp_path / "ws"
     shutil.copytree(REPO, ws / "src" / "oxygen_ros", ignore=IGNORE)
-    env = dict(os.environ, AMENT_PREFIX_PATH=sys.prefix, ROS_DOMAIN_ID="0", PYTHONUNBUFFERED="1",
+    env = dict(os.environ, AMENT_PREFIX_PATH=sys.prefix, ROS_DOMAIN_ID=str(private_domain(93)), PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS="1")
     env.pop("PYTHONPATH", None)
     colcon = Path(sys.executable).parent / "colcon"

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import REPO
 from oxygen_ros.nodes.fleet import ParamsFiles, flatten, read_fleet
+from ros_harness import private_domain  # a domain of this test process: no other bringup on it
 
 
 def write(path: Path, text: str) -> Path:
@@ -118,7 +119,7 @@ def test_output_names_resolve_as_ros_resolves_them():
 
 # ------------------------------------------------------------------------------ refused before anything moves
 def bringup(*args, timeout=180):
-    env = dict(os.environ, ROS_DOMAIN_ID="0", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, ROS_DOMAIN_ID=str(private_domain(94)), PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", "oxygen_ros.bringup", *args, "--duration", "1"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout)
 

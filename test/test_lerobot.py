@@ -23,6 +23,7 @@ from oxygen_ros.model.normalize import LeRobotNormalizer, Normalizer, load_norma
 from oxygen_ros.model.preprocess import lerobot_pixels, to_pixels
 from oxygen_ros.robot.errors import ConfigError, InputError
 from oxygen_ros.robot.policy_io import RobotIOConfig, build_policy_io
+from ros_harness import private_domain  # a domain of this test process: no other bringup on it
 
 REF = Path(__file__).parent / "data" / "lerobot_ref"     # LeRobot 0.6.1's own directories (test_lerobot_reference)
 
@@ -309,7 +310,7 @@ def test_bringup_follows_a_lerobot_directory(tmp_path):
     params = tmp_path / "p.yaml"
     params.write_text(f"oxygen_engine:\n  ros__parameters:\n    model: tiny\n    checkpoint: {ckpt}\n"
                       f"    tokenizer: ''\n    norm_stats: ''\n    kv_budget_mb: 32.0\n")
-    env = dict(os.environ, ROS_DOMAIN_ID="0", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, ROS_DOMAIN_ID=str(private_domain(95)), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "oxygen_ros.bringup", "--robot", "libero", "--params-file", str(params),
                         "--duration", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     out = r.stdout + r.stderr

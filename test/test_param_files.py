@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from ros_harness import private_domain  # a domain of this test process: no other bringup on it
 
 ENGINE_LOG = "[oxygen_engine]"       # the engine node's first log line is the model load: none may appear
 
 
 def run(module: str, *args, timeout=180) -> subprocess.CompletedProcess:
-    env = dict(os.environ, ROS_DOMAIN_ID="0", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, ROS_DOMAIN_ID=str(private_domain(96)), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
 

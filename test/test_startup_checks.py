@@ -11,12 +11,13 @@ import sys
 import pytest
 
 from conftest import REPO
+from ros_harness import private_domain  # a domain of this test process: no other bringup on it
 
 LOADING = "[oxygen_engine]: loading model"
 
 
 def bringup(*args, timeout=180):
-    env = dict(os.environ, ROS_DOMAIN_ID="0", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, ROS_DOMAIN_ID=str(private_domain(92)), PYTHONUNBUFFERED="1")
     r = subprocess.run([sys.executable, "-m", "oxygen_ros.bringup", *args, "--duration", "1"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=timeout)
     return r.returncode, r.stdout + r.stderr

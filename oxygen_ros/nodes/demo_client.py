@@ -63,8 +63,8 @@ class DemoClient(Node):
         from oxygen_interfaces.srv import Converse
 
         self._Converse = Converse
-        self.client = self.create_client(Converse, "/oxygen/converse")
-        self.create_subscription(Caption, "/oxygen/memory", self._on_caption, 10)
+        self.client = self.create_client(Converse, "oxygen/converse")
+        self.create_subscription(Caption, "oxygen/memory", self._on_caption, 10)
         fixed = itertools.cycle(QUESTIONS)
         self.questions = questions or (lambda: (next(fixed), None))
         self.printer = printer

@@ -40,7 +40,7 @@ def params_for(slots) -> list[Param]:
             Param(f"cameras.{slot}.required", False, f"No observation without an image from {slot}."),
         ]
     return specs + [
-        Param("state_topic", "/joint_states", "Robot state topic."),
+        Param("state_topic", "joint_states", "Robot state topic (relative: in the nodes' namespace)."),
         Param("state_type", "joint_state", "sensor_msgs/JointState or std_msgs/Float64MultiArray.",
               choices=("joint_state", "float64_array")),
         Param("joint_names", [], "State joints in the model's order (JointState only; empty: as received).",

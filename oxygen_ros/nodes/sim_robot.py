@@ -49,16 +49,16 @@ PARAMS = [
     Param("state_rate_hz", 50.0, "Rate of the joint states, Hz."),
     Param("image_size", 64, "Side of the square camera images, pixels (the demo model was trained on 64x64 renders)."),
     Param("cameras", list(CAMERAS), "Cameras to publish: any of 'base', 'wrist'."),
-    Param("base_topic", "/sim/camera/base/image_raw", "Topic of the base (third-person) camera."),
-    Param("wrist_topic", "/sim/camera/wrist/image_raw", "Topic of the wrist camera."),
-    Param("joint_states_topic", "/sim/joint_states", "Topic of the joint states."),
-    Param("command_topic", "/oxygen/action", "Topic of the joint position commands."),
-    Param("prompt_topic", "/oxygen/prompt", "Topic the task of each episode goes to."),
+    Param("base_topic", "sim/camera/base/image_raw", "Topic of the base (third-person) camera."),
+    Param("wrist_topic", "sim/camera/wrist/image_raw", "Topic of the wrist camera."),
+    Param("joint_states_topic", "sim/joint_states", "Topic of the joint states."),
+    Param("command_topic", "oxygen/action", "Topic of the joint position commands."),
+    Param("prompt_topic", "oxygen/prompt", "Topic the task of each episode goes to."),
     Param("command_type", "float64_array",
           "'float64_array': std_msgs/Float64MultiArray with the 3 target positions (joint_1..joint_3); "
           "'joint_state': sensor_msgs/JointState with target positions by joint name."),
     Param("seed", 0, "Seed of the episodes (cube colours, places, named cube)."),
-    Param("enable_service", "/oxygen/enable",
+    Param("enable_service", "oxygen/enable",
           "SetBool service of the action output: switched off while the scene is reset and on again when "
           "the episode starts, as an operator would (real-time chunking then continues no chunk across a "
           "reset); empty: never switched."),
