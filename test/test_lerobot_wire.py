@@ -406,12 +406,13 @@ def test_an_ordered_dict_with_a_state_is_refused(lerobot_classes):
 
 
 def test_one_message_has_a_time_budget(lerobot_classes, monkeypatch):
-    """`max_seconds` on a simulated clock that advances 0.2 s at each reading: refused once it is spent."""
+    """`max_seconds` of the decoding thread's CPU time, on a simulated clock that advances 0.2 s at each
+    reading: refused once it is spent."""
     clock = iter(np.arange(0.0, 1e6, 0.2))
-    monkeypatch.setattr(wire.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(wire.time, "thread_time", lambda: float(next(clock)))
     data = inside(lerobot_classes, [np.zeros(4, np.uint8) for _ in range(4)])
     e = refusal(data, limits=DecodeLimits(max_seconds=0.5))
-    assert type(e) is TooLarge and "decoding took more than 0.5 s" in str(e), str(e)
+    assert type(e) is TooLarge and "decoding took more than 0.5 s of CPU time" in str(e), str(e)
 
 
 def test_a_tensor_camera_fits_the_budget_of_its_own_bytes(lerobot_classes):

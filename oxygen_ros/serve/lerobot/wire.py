@@ -25,9 +25,9 @@ storage and further tensor of one storage is charged before it is made, against 
 the message's own length: an honest pickle carries every byte its arrays hold, so only memo reuse of one
 buffer could build more) and `max_arrays`; the walk of step 4 counts every object it visits against
 `max_opcodes` (a container reached again through the memo would be copied once per reference: an honest pickle
-visits at most one object per opcode); and the whole decode has `max_seconds`. A 1 MiB buffer named 2,000
-times, or feature lists referencing each other 10^8 times, are refused in milliseconds, having built at most
-their budget.
+visits at most one object per opcode); and the whole decode has `max_seconds` of CPU time (its thread's: a
+loaded machine's waits are not the message's cost). A 1 MiB buffer named 2,000 times, or feature lists
+referencing each other 10^8 times, are refused in milliseconds, having built at most their budget.
 
 Every refusal is a `Refused` (the peer sent something malformed or not allowed) or `TooLarge` (over a
 limit) with the reason; the server turns them into INVALID_ARGUMENT / RESOURCE_EXHAUSTED.
@@ -140,7 +140,7 @@ class DecodeLimits:
     max_ndim: int = 8
     max_built_bytes: int | None = None   # arrays, tensors and storages built; None: the message's own length
     max_arrays: int = 64             # arrays, tensors and numpy scalars built (an SO-101: 2 cameras, 6 joints)
-    max_seconds: float = 0.5         # one message's whole decode (a real one takes milliseconds)
+    max_seconds: float = 0.5         # one message's whole decode, CPU time of its thread (a real one: ms)
 
     def problems(self) -> list[str]:
         out = [f"{name} {getattr(self, name)} must be at least 1" for name in
@@ -160,7 +160,7 @@ class _Budget:
         cap = message_bytes if limits.max_built_bytes is None else min(message_bytes, limits.max_built_bytes)
         self.limits, self.what, self.bytes_left, self.arrays_left = limits, what, cap, limits.max_arrays
         self.cap, self.nodes_left = cap, limits.max_opcodes
-        self.deadline = time.monotonic() + limits.max_seconds
+        self.deadline = time.thread_time() + limits.max_seconds
 
     def build(self, nbytes: int, kind: str) -> None:
         self.arrays_left -= 1
@@ -181,8 +181,8 @@ class _Budget:
             self.check_time()
 
     def check_time(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise TooLarge(f"{self.what}: decoding took more than {self.limits.max_seconds:g} s")
+        if time.thread_time() > self.deadline:
+            raise TooLarge(f"{self.what}: decoding took more than {self.limits.max_seconds:g} s of CPU time")
 
 
 _REFUSED_OPCODES = {
