@@ -25,7 +25,7 @@ from test_openpi_serve import aloha_obs, client, droid_obs, served
 
 from oxygen_ros.serve import protocol
 from oxygen_ros.serve.cli import add_bringup_arguments, bringup_problems, parse_args, server_options
-from oxygen_ros.serve.limits import Doorway, PeerFailures
+from oxygen_ros.serve.limits import CpuShare, Doorway, PeerFailures
 from oxygen_ros.serve.protocol import MAX_DEPTH, MAX_OBJECTS, ProtocolError, scan, unpack
 
 pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager")
@@ -377,6 +377,30 @@ def test_the_door_displaces_the_longest_silent_after_the_grace_and_never_the_adm
     now[0] = 1.0
     assert door.trim() == ["silent-c", "silent-d", "silent-e"] and door.next_trim_s() is None
     assert door.displaced == 5 and door.accepted == 8 and door.admitted == 1
+
+
+def test_a_clients_share_of_the_cpu_pays_back_its_messages_cost():
+    """share 0.25: a message that held the server 0.1 s holds the client's next one for 0.3 s; an idle client
+    banks no credit; a refused (raising) decode is charged as much as a decoded one."""
+    now = [100.0]
+    pace = CpuShare(0.25, clock=lambda: now[0])
+    assert pace.wait_s() == 0.0
+    pace.charge(0.1)
+    assert pace.wait_s() == pytest.approx(0.3)
+    pace.charge(0.05)                                   # the same message's preparation
+    assert pace.wait_s() == pytest.approx(0.45)
+    now[0] += 10.0                                      # long idle: no credit for later
+    assert pace.wait_s() == 0.0
+    pace.charge(0.01)
+    assert pace.wait_s() == pytest.approx(0.03)
+    now[0] += 1.0
+
+    def refuse():
+        time.sleep(0.02)                                 # busy, then refused
+        raise ProtocolError("refused")
+    with pytest.raises(ProtocolError):
+        pace.timed(refuse)
+    assert pace.wait_s() >= 0.06
 
 
 def _options(key_file):

@@ -10,12 +10,15 @@ websocket, a gRPC one) takes the same pieces:
     the limit the peer's wrong keys get a short refusal (no key guessing at speed, no log flood) while its
     right key is still admitted: failures are limited, not attempts;
   - `OneDecoder`: one thread that decodes client messages one at a time, so that concurrent large
-    messages never pile up on the interpreter beside the engine's thread.
+    messages never pile up on the interpreter beside the engine's thread;
+  - `CpuShare`: a client's next message read only once its last one's decoding time is paid back, so that
+    one client sending large messages as fast as it can takes a bounded share of the CPU.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -154,6 +157,37 @@ class PeerFailures:
     def _trim(self, times: collections.deque, now: float) -> None:
         while times and now - times[0] >= self.window_s:
             times.popleft()
+
+
+class CpuShare:
+    """One client's share of the server's time for its messages: after a message whose receiving, decoding
+    and preparing held a server thread for `busy_s` (timed where it runs, from start to end, so that a
+    loaded machine's slower work counts as what it costs the others), the client's next message is not read
+    for `busy_s * (1 / share - 1)` (it waits in the socket, then in TCP): its messages hold the server at most
+    `share` of the time whatever it sends. A robot's messages take milliseconds: the pause is far below its
+    control period, and over by the time its next message comes (it waits for its reply first)."""
+
+    def __init__(self, share: float, clock: Callable[[], float] = time.monotonic):
+        self.share, self.clock = share, clock
+        self._resume_at = -math.inf
+
+    def charge(self, busy_s: float) -> None:
+        """A message of this client held the server `busy_s` more: its next one waits that much longer (from
+        now at least: an idle client banks no credit)."""
+        self._resume_at = max(self._resume_at, self.clock()) + busy_s * (1.0 / self.share - 1.0)
+
+    def timed(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args), charged with the time it ran (on the thread that runs it: no queueing before it counted),
+        whether it returns or raises (a refused message costs the others as much)."""
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.charge(time.perf_counter() - start)
+
+    def wait_s(self) -> float:
+        """How long before the client's next message may be read."""
+        return max(0.0, self._resume_at - self.clock())
 
 
 class OneDecoder:

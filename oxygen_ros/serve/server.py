@@ -61,7 +61,7 @@ from oxygen_ros.robot.errors import InputError
 
 from .clients import ClientSlots, Computed, EngineHub, FrameFailed
 from .layouts import Layout
-from .limits import Doorway, OneDecoder, PeerFailures, listener_problems
+from .limits import CpuShare, Doorway, OneDecoder, PeerFailures, listener_problems
 from .protocol import ProtocolError, pack, unpack
 
 log = logging.getLogger("oxygen_ros.serve")
@@ -83,7 +83,8 @@ class ServeOptions:
     serial: bool = False                     # one client's frame at a time (openpi's server model; benchmark)
     max_handshakes: int = 32                 # connections at the door (handshakes, refusals closing)
     handshake_timeout_s: float = 3.0         # to send the request head; also to answer the closing handshake
-    failed_handshakes_per_peer: int = 10     # in any 10 s; beyond, HTTP 429 without checking the key
+    failed_handshakes_per_peer: int = 10     # in any 10 s; beyond, HTTP 429 for the peer's wrong keys
+    client_time_share: float = 0.25          # of the server's time, for one client's messages (CpuShare)
 
     def problems(self) -> list[str]:
         out = listener_problems(self.port, self.max_clients, self.max_message_bytes)
@@ -93,6 +94,8 @@ class ServeOptions:
             out.append(f"max_handshakes {self.max_handshakes} must be at least 1")
         if not 0 < self.handshake_timeout_s <= 60:
             out.append(f"handshake_timeout_s {self.handshake_timeout_s} must be in (0, 60]")
+        if not 0 < self.client_time_share <= 1:
+            out.append(f"client_time_share {self.client_time_share} must be in (0, 1]")
         if self.failed_handshakes_per_peer < 1:
             out.append(f"failed_handshakes_per_peer {self.failed_handshakes_per_peer} must be at least 1")
         if self.api_key is not None and not self.api_key.strip():
@@ -112,6 +115,7 @@ class CountedConnection(ServerConnection):
     def __init__(self, server: "OpenpiServer", *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.openpi, self.refusal = server, ""
+        self.pace = CpuShare(server.options.client_time_share)    # its receiving, decoding and preparing
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -119,7 +123,7 @@ class CountedConnection(ServerConnection):
 
     def data_received(self, data: bytes) -> None:
         self.openpi.door.spoke(self)
-        super().data_received(data)
+        self.pace.timed(super().data_received, data)         # framing, unmasking, assembling: on the loop
 
     def connection_lost(self, exc) -> None:
         self.openpi.door.close(self)
@@ -299,6 +303,7 @@ class OpenpiServer:
         try:
             await ws.send(pack(self.metadata(robot)))
             while True:
+                await asyncio.sleep(session.pace.wait_s())
                 data = await ws.recv()
                 reply = await session.answer(data)
                 await ws.send(reply)
@@ -326,7 +331,7 @@ class OpenpiServer:
 class ClientSession:
     """One connection: its robot name, its newest observation, what it has in flight."""
 
-    def __init__(self, server: OpenpiServer, ws: ServerConnection, robot: str):
+    def __init__(self, server: OpenpiServer, ws: CountedConnection, robot: str):
         self.server, self.ws, self.robot = server, ws, robot
         self.engine, self.hub, self.layout, self.options = server.engine, server.hub, server.layout, server.options
         self.newest = None                       # the last observation it sent (questions are about it)
@@ -334,6 +339,7 @@ class ClientSession:
         self._prev_total_ms: float | None = None
         self._work: asyncio.Future | None = None         # the message being answered
         self._requests: set = set()                      # its questions' handles not yet answered
+        self.pace = ws.pace
 
     async def answer(self, data) -> bytes | str:
         """One message -> the reply bytes, or an error text for the client to raise; ClientGone as soon as the
@@ -347,7 +353,7 @@ class ClientSession:
     async def _answer(self, data) -> bytes | str:
         start = time.monotonic()
         try:
-            message = await self.server.decoder.run(unpack, data)
+            message = await self.server.decoder.run(self.pace.timed, unpack, data)
             if "question" in message:
                 reply = await self._ask(message, start)
             else:
@@ -364,7 +370,7 @@ class ClientSession:
     # ------------------------------------------------------------------ actions
     async def _observation(self, message: dict):
         obs = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self.layout.observation(message, time.monotonic(), self.options.default_prompt))
+            None, self.pace.timed, self.layout.observation, message, time.monotonic(), self.options.default_prompt)
         self.newest = obs
         return obs
 
