@@ -1,6 +1,6 @@
 """`python -m oxygen_ros.serve.bench_hostile --json OUT`: what one hostile openpi client costs the others.
 
-Starts `oxygen_serve --robot droid --random tiny --max-clients 2 --api-key-file ...` as its own process (the
+Starts `oxygen_serve --robot droid --random tiny --max-clients 3 --api-key-file ...` as its own process (the
 server measured from outside: its resident memory, its open descriptors; its descriptor limit set to
 --fd-limit, 1024 by default, a common default) and keeps one well-behaved client
 calling `infer` in a closed loop throughout, then, one after the other:
@@ -14,11 +14,17 @@ calling `infer` in a closed loop throughout, then, one after the other:
             descriptors sampled throughout, against half its descriptor limit; the good client's slowest reply;
   departed  a second client sends an observation with a 256-token question and closes while the reply
             decodes: the time until a new client is admitted (with the good client, the server is full until
-            the slot is freed), beside the time the same question takes when its client stays.
+            the slot is freed), beside the time the same question takes when its client stays;
+  admission three floods from the right key's own address (80 idle sockets reopened as soon as closed, a
+            keyless handshake flood, a wrong key every 0.1 s): the right key's time to its metadata, 20 tries
+            each, and every refusal;
+  big       two clients sending 30 MB observations as fast as they are answered: the good client's median
+            and slowest reply against its median before.
 
 Targets (issue: bounded inputs): a hostile message delays the good client by less than one chunk period and
 grows the server by < 100 MB; the flood leaves the server below half its descriptor limit with the good
-client served; a departed client's slot is free within 1 s. Figures from a loaded machine are not figures.
+client served; a departed client's slot is free within 1 s; the right key admitted within 2 s under each
+flood; the big senders delay the good client by less than one chunk period. Figures from a loaded machine are not figures.
 
 `--protocol lerobot`: `oxygen_serve --protocol lerobot` under the LeRobot attacks instead (`lerobot_main`:
 decode amplification through the pickle memo, shared references, stalled streams and waiting calls from one
@@ -234,6 +240,140 @@ def flood(server: Server, good: GoodClient) -> dict:
             "server_fds_after": _open_fds(pid), "good_client": good.slowest_in(t, end)}
 
 
+# ------------------------------------------------------------------------------- openpi admission and fairness
+def _right_key_admitted_s(port: int, key: str, timeout: float = 10.0) -> tuple[float, str]:
+    """Seconds until a client with the right key has the metadata, and '' or why it was not admitted."""
+    import websockets.sync.client
+
+    t = time.monotonic()
+    try:
+        with websockets.sync.client.connect(f"ws://127.0.0.1:{port}", open_timeout=timeout, close_timeout=2,
+                                            additional_headers={"Authorization": f"Api-Key {key}"}) as ws:
+            ws.recv(timeout=timeout)
+        return time.monotonic() - t, ""
+    except Exception as e:  # noqa: BLE001 - counted in the result
+        return time.monotonic() - t, f"{type(e).__name__}: {e}"[:200]
+
+
+def _idle_socket(port: int, stop: threading.Event) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                if s.recv(1) == b"":
+                    return
+            except socket.timeout:
+                continue
+
+
+def _keyless_handshake(port: int, stop: threading.Event) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        key = base64.b64encode(os.urandom(16)).decode()
+        s.sendall(f"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                  f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+        s.recv(256)
+
+
+def _wrong_key(port: int, stop: threading.Event) -> None:
+    import websockets.sync.client
+
+    try:
+        with websockets.sync.client.connect(f"ws://127.0.0.1:{port}", open_timeout=5,
+                                            additional_headers={"Authorization": "Api-Key wrong-key-wrong-key"}):
+            pass
+    except Exception:  # noqa: BLE001 - refused, as expected
+        pass
+    stop.wait(0.1)
+
+
+ADMISSION_FLOODS = {"idle_sockets_reopened_as_closed": (_idle_socket, 80),
+                    "keyless_handshake_flood": (_keyless_handshake, 16),
+                    "wrong_key_same_address_every_0.1_s": (_wrong_key, 1)}
+
+
+def admission(server: Server, key: str, tries: int = 20) -> dict:
+    """The issue's three floods from the right key's own address (so the per-address limit meets both): for
+    each, a client with the right key connects `tries` times while the flood runs (each a new process's worth
+    of connection: a fresh socket and handshake); the time to its metadata and every refusal."""
+    out = {}
+    for name, (attack, workers) in ADMISSION_FLOODS.items():
+        stop = threading.Event()
+
+        def loop():
+            while not stop.is_set():
+                try:
+                    attack(server.port, stop)
+                except OSError:
+                    pass
+        threads = [threading.Thread(target=loop, daemon=True) for _ in range(workers)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)                                # the flood at full strength
+        results = []
+        for _ in range(tries):
+            results.append(_right_key_admitted_s(server.port, key))
+            time.sleep(0.1)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        times = [t for t, why in results if not why]
+        out[name] = {"tries": tries, "admitted": len(times), "refusals": [why for _, why in results if why][:5],
+                     "admitted_max_s": round(max(times), 3) if times else None,
+                     "admitted_median_s": round(float(np.median(times)), 3) if times else None}
+        time.sleep(11.0)                               # the wrong keys' window empties before the next phase
+    return out
+
+
+def big_senders(server: Server, key: str, good: GoodClient, layout, senders: int = 2, seconds: float = 15.0) -> dict:
+    """`senders` clients each sending 30 MB observations (one 3,000 x 3,300 image per camera, under the 32 MB
+    message cap) as fast as the server answers them, for `seconds`: the good client's median and slowest
+    reply then, against its median just before."""
+    import websockets.sync.client
+    from openpi_client import msgpack_numpy
+
+    rng = np.random.default_rng(3)
+    message = observation(layout, rng, 8)
+    per_camera = (30 << 20) // len(layout.cameras)
+    side = int((per_camera / 3) ** 0.5)
+    for camera in layout.cameras:
+        image = rng.integers(0, 256, (3, side, side) if layout.name == "aloha" else (side, side, 3), dtype=np.uint8)
+        if len(camera.path) == 2:
+            message[camera.path[0]][camera.path[1]] = image
+        else:
+            message[camera.key] = image
+    data = msgpack_numpy.packb(message)
+    stop, counts, errors = threading.Event(), [0] * senders, []
+
+    def send(i: int) -> None:
+        try:
+            with websockets.sync.client.connect(f"ws://127.0.0.1:{server.port}", max_size=None, open_timeout=30,
+                                                additional_headers={"Authorization": f"Api-Key {key}"}) as ws:
+                ws.recv(timeout=30)
+                while not stop.is_set():
+                    ws.send(data)
+                    ws.recv(timeout=120)
+                    counts[i] += 1
+        except Exception as e:  # noqa: BLE001 - counted
+            errors.append(f"{type(e).__name__}: {e}"[:200])
+
+    before_end = time.monotonic()
+    before = good.typical_s(before_end - 5.0, before_end)
+    threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(senders)]
+    t = time.monotonic()
+    for th in threads:
+        th.start()
+    time.sleep(seconds)
+    end = time.monotonic()
+    stop.set()
+    for th in threads:
+        th.join(180)
+    during = good.slowest_in(t + 1.0, end)
+    return {"senders": senders, "message_bytes": len(data), "seconds": seconds,
+            "messages_answered": counts, "sender_errors": errors[:3],
+            "good_median_before_s": before, "good_median_during_s": good.typical_s(t + 1.0, end),
+            "good_slowest_during_s": during["slowest_s"], "good_errors": during["errors"][:3]}
+
+
 def departed(server: Server, key: str, layout, rate_wait_s: float) -> dict:
     import websockets
     from openpi_client import msgpack_numpy
@@ -242,13 +382,14 @@ def departed(server: Server, key: str, layout, rate_wait_s: float) -> dict:
     time.sleep(rate_wait_s)                     # the flood's failed handshakes from this address expire
     rng = np.random.default_rng(7)
     question = {**observation(layout, rng, 224), "question": "Describe every object on the table in detail.",
-                "max_tokens": 256}
+                "max_tokens": 256, "timeout_s": 120.0}           # 256 tokens: ~28 s on a quiet 2-core machine
     stays = WebsocketClientPolicy("127.0.0.1", server.port, api_key=key)
     t = time.monotonic()
     reply = stays.infer(question)
     stays_s = time.monotonic() - t
     stays._ws.close()
     time.sleep(0.5)
+    filler = WebsocketClientPolicy("127.0.0.1", server.port, api_key=key)      # holds the third slot
     leaves = WebsocketClientPolicy("127.0.0.1", server.port, api_key=key)
     leaves._ws.send(msgpack_numpy.Packer().pack(question))
     time.sleep(min(0.5, stays_s / 3))           # its chunk computed, its reply decoding
@@ -266,6 +407,7 @@ def departed(server: Server, key: str, layout, rate_wait_s: float) -> dict:
             time.sleep(0.02)
     admitted_s = time.monotonic() - gone
     newcomer._ws.close()
+    filler._ws.close()
     return {"question_tokens": reply.get("tokens"), "question_s_when_the_client_stays": round(stays_s, 3),
             "slot_free_s": round(admitted_s, 3), "refused_meanwhile": refused}
 
@@ -641,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
         key_file = Path(tmp) / "key"
         key_file.write_text(key + "\n")
         key_file.chmod(0o600)
-        server = Server(a.robot, key_file, max_clients=2, fd_limit=a.fd_limit)
+        server = Server(a.robot, key_file, max_clients=3, fd_limit=a.fd_limit)
         try:
             good = GoodClient(server.port, key, LAYOUTS[a.robot], seed=0)
             time.sleep(3.0)
@@ -650,13 +792,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench hostile] {json.dumps(result['hostile'])}", flush=True)
             result["flood"] = flood(server, good)
             print(f"[bench hostile] {json.dumps(result['flood'])}", flush=True)
-            # The good client keeps its slot: with the departing one the server is full (--max-clients 2).
+            # The good client and a filler keep their slots: with the departing one the server is full
+            # (--max-clients 3).
             result["departed"] = departed(server, key, LAYOUTS[a.robot], rate_wait_s=11.0)
             print(f"[bench hostile] {json.dumps(result['departed'])}", flush=True)
+            result["admission"] = admission(server, key)
+            print(f"[bench hostile] {json.dumps(result['admission'])}", flush=True)
+            result["big_senders"] = big_senders(server, key, good, LAYOUTS[a.robot])
+            print(f"[bench hostile] {json.dumps(result['big_senders'])}", flush=True)
             good.stop()
         finally:
             server.stop()
-    h, f, d = result["hostile"], result["flood"], result["departed"]
+    h, f, d, adm, big = result["hostile"], result["flood"], result["departed"], result["admission"], result["big_senders"]
     result["targets"] = {
         "hostile_delay_below_chunk_period": all(
             x["good_client"]["slowest_s"] is not None and x["good_client"]["slowest_s"] < chunk_period_s
@@ -665,6 +812,10 @@ def main(argv: list[str] | None = None) -> int:
         "flood_below_half_the_descriptor_limit": f["server_fds_max"] < f["server_fd_limit"] / 2,
         "flood_good_client_served": f["good_client"]["calls"] > 0 and not f["good_client"]["errors"],
         "departed_slot_free_within_1_s": d["slot_free_s"] < 1.0,
+        "right_key_admitted_within_2_s_under_each_flood": all(
+            x["admitted"] == x["tries"] and x["admitted_max_s"] < 2.0 for x in adm.values()),
+        "big_senders_good_client_within_a_chunk_period": big["good_slowest_during_s"] is not None
+        and big["good_slowest_during_s"] < chunk_period_s and not big["good_errors"],
     }
     result["meta"] = {"command": "python -m oxygen_ros.serve.bench_hostile " + " ".join(sys.argv[1:] if argv is None
                                                                                         else argv),
