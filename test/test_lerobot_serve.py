@@ -422,7 +422,9 @@ def test_bringup_serves_lerobot_clients_next_to_the_ros_robot():
     import subprocess
     import sys
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", ROS_DOMAIN_ID=str(101 + os.getpid() % 100))
+    from ros_harness import private_domain         # a domain of this test process: no other bringup on it
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", ROS_DOMAIN_ID=str(private_domain(41)))
     proc = subprocess.Popen([sys.executable, "-m", "oxygen_ros.bringup", "--demo", "--lerobot-port", "0",
                              "--duration", "120"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
