@@ -81,6 +81,7 @@ def test_the_adapter_folders_config_is_the_policys(hub, tmp_path):
     ({"bias": "lora_only"}, "bias = 'lora_only': trained biases"),
     ({"layers_to_transform": [0]}, "layers_to_transform = \\[0\\]: layer selections"),
     ({"fan_in_fan_out": True}, "fan_in_fan_out = True"),
+    ({"kasa_config": {"rank": 4}}, "kasa_config = \\{'rank': 4\\}: KaSA adapters"),
     ({"base_model_name_or_path": None}, "base_model_name_or_path is empty"),
     ({"target_modules": "all-linear"}, "target_modules must be a regular expression or a list"),
     ({"target_modules": r".*\.gemma_expert\..*\.self_attn\.q_proj|model\.action_(in|out)_proj"},

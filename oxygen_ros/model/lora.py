@@ -42,6 +42,9 @@ UNSUPPORTED = {
     "trainable_token_indices": "trainable tokens are not merged",
     "alora_invocation_tokens": "activated LoRA (aLoRA) adapters are not merged",
     "megatron_config": "Megatron-parallel adapters are not merged",
+    "kasa_config": "KaSA adapters (singular-value scaled) are not merged",
+    "monteclora_config": "MonteCLoRA adapters are not merged",
+    "arrow_config": "Arrow routing between adapters is not merged",
 }
 
 
@@ -160,7 +163,7 @@ def read_adapter(path: str | Path) -> LoraAdapter:
         raise CheckpointError(f"{config_file}: peft_type {kind!r}: only LoRA adapters (\"LORA\") are merged")
     for name, why in UNSUPPORTED.items():
         value = config.raw(name)
-        if value not in (None, False, [], {}, "", 0) and not (name == "megatron_config" and value == {}):
+        if value not in (None, False, [], {}, ""):
             raise CheckpointError(f"{config_file}: {name} = {value!r}: {why}")
     bias = config.string("bias")
     if bias not in (None, "none"):
