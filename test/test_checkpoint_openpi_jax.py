@@ -82,3 +82,22 @@ def test_nothing_from_jax_or_openpi_is_imported():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"
+
+
+def test_a_jax_checkpoint_on_the_hub_is_fetched_whole_and_served(tmp_path):
+    """params/ (nested OCDBT files) and assets/ are among the files fetched for a hub id."""
+    from test_checkpoint_sources import FakeHub
+
+    from oxygen_ros.model.download import resolve_checkpoint
+
+    hub = FakeHub({"someone/pi05_jax": JAX})
+    try:
+        folder = resolve_checkpoint("someone/pi05_jax", hub_cache=tmp_path, endpoint=hub.endpoint)
+    finally:
+        hub.close()
+    expected = sorted(str(p.relative_to(JAX)) for p in JAX.rglob("*") if p.is_file())
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == \
+        [name for name in expected if name.startswith(("params/", "assets/"))]
+    for (name, a), (_, b) in zip(load_pi05(folder, CONFIG).named_parameters(),
+                                 load_pi05(CONVERTED, CONFIG).named_parameters()):
+        assert torch.equal(a, b), name
