@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -451,6 +452,7 @@ def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "c
     threading.Event): checked before each tensor, LoadStopped once it is set (a full π0.5 takes minutes to
     read; a Ctrl-C must not wait for the rest)."""
     fmt, mapping, adapter = _weights_and_adapter(path, cfg)
+    started = time.monotonic()
     with torch.device("meta"):
         model = Pi05(cfg)
     state, handles, headers = {}, {}, {}
@@ -483,6 +485,9 @@ def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "c
             log.warning(f"{path}: lm_head and embed_tokens differ (max |diff| {diff:.3g}): embedding with "
                         f"embed_tokens (as LeRobot does), text logits with lm_head")
     model.time_grid = fmt           # denoised on its format's flow-time grid (pi05.TIME_GRIDS)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    log.info(f"{path}: {len(state)} tensors ({held / 1e9:.2f} GB in {dtype}, {fmt} format"
+             f"{', LoRA merged' if adapter is not None else ''}) loaded in {time.monotonic() - started:.1f} s")
     return model.eval().requires_grad_(False)
 
 
