@@ -351,6 +351,16 @@ def test_a_bucket_url_is_fetched_into_openpis_cache_layout(bucket, tmp_path, mon
                               openpi_cache=tmp_path / "openpi") == folder
 
 
+def test_a_bucket_object_is_fetched_as_a_file(bucket, tmp_path):
+    """openpi's tokenizer, gs://big_vision/paligemma_tokenizer.model: one object, cached as openpi caches it."""
+    tokenizer = bucket.parents[2] / "big_vision" / "paligemma_tokenizer.model"
+    tokenizer.parent.mkdir(parents=True)
+    tokenizer.write_bytes(b"sentencepiece bytes")
+    path = resolve_checkpoint("gs://big_vision/paligemma_tokenizer.model", openpi_cache=tmp_path / "openpi")
+    assert path == tmp_path / "openpi" / "big_vision" / "paligemma_tokenizer.model"
+    assert path.read_bytes() == b"sentencepiece bytes"
+
+
 def test_an_interrupted_bucket_download_resumes_and_is_never_used_half_done(bucket, tmp_path):
     cache = tmp_path / "openpi"
     target = cache / "openpi-assets" / "checkpoints" / "pi05_tiny"

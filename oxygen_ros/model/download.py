@@ -7,9 +7,10 @@ oxygen_serve, a params file), by one of:
   `from_pretrained` takes it: fetched with huggingface_hub into its own cache (HF_HOME, HF_HUB_CACHE,
   HF_HUB_OFFLINE and HF_ENDPOINT honoured; files already fetched are kept). A local folder of the same name wins,
   as in LeRobot;
-- a `gs://bucket/path` URL, as openpi's `download.maybe_download` takes it: fetched anonymously with fsspec
-  (gcsfs) into openpi's cache layout (`$OPENPI_DATA_HOME` or ~/.cache/openpi, `<bucket>/<path>`), under the
-  same file lock, through `<path>.partial`, so that an openpi user's cache is reused and shared.
+- a `gs://bucket/path` URL (a folder, or one object such as openpi's `gs://big_vision/paligemma_tokenizer.model`),
+  as openpi's `download.maybe_download` takes it: fetched anonymously with fsspec (gcsfs) into openpi's cache
+  layout (`$OPENPI_DATA_HOME` or ~/.cache/openpi, `<bucket>/<path>`), under the same file lock, through
+  `<path>.partial`, so that an openpi user's cache is reused and shared.
 
 Only the files the loader reads are fetched from the hub (HUB_FILES). Nothing is used before it is verified:
 every file's size against the listing, and a hub file's sha256 (git-lfs) or a bucket object's md5 when this
@@ -219,19 +220,21 @@ def _fetch_bucket(url: str, say, openpi_cache) -> Path:
                  if info.get("type") == "file" and not path.endswith("/")}
         if not files:
             raise CheckpointError(f"{url}: nothing in the bucket under this path")
-        _require_weights(CheckpointName("bucket", url), list(files))
+        single = set(files) == {""}                # the URL names one object (a tokenizer, a weights file)
+        if not single:
+            _require_weights(CheckpointName("bucket", url), list(files))
         total = sum(int(info.get("size") or 0) for info in files.values())
         _check_space(cache, total - _bytes_under(scratch), CheckpointName("bucket", url))
         say(f"{url}: downloading {len(files)} file(s), {_human(total)} into {local}")
         try:
             with _Progress(url, total, lambda: _bytes_under(scratch), say):
                 for rel, info in sorted(files.items()):
-                    target = scratch / rel
+                    target = scratch / rel if rel else scratch
                     size = int(info.get("size") or 0)
                     if target.is_file() and target.stat().st_size == size:
                         continue                      # kept from an interrupted run: resumed per file
                     target.parent.mkdir(parents=True, exist_ok=True)
-                    fs.get_file(root.rstrip("/") + "/" + rel, str(target))
+                    fs.get_file(root.rstrip("/") + "/" + rel if rel else root, str(target))
                     md5 = info.get("md5Hash")
                     _verify(url, target, size, ("md5", base64.b64decode(md5).hex()) if md5 else None)
         except OSError as e:
@@ -278,6 +281,8 @@ def _check_space(folder: Path, needed: int, name: CheckpointName) -> None:
 
 
 def _bytes_under(folder: Path) -> int:
+    if folder.is_file():
+        return folder.stat().st_size
     if not folder.exists():
         return 0
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())

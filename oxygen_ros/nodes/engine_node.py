@@ -49,8 +49,8 @@ PARAMS = ENGINE_PARAMS + [
     Param("checkpoint", "", "openpi or LeRobot pi05 checkpoint: a directory (model.safetensors), the file, a hub "
                             "id org/name[@revision] or a gs:// URL (fetched once into the hub's / openpi's cache). "
                             "Empty: deterministic random weights (demo and benchmarks only)."),
-    Param("tokenizer", "", "SentencePiece model (the PaliGemma tokenizer for real checkpoints). Empty: the "
-                           "small tokenizer shipped for the tiny/bench presets."),
+    Param("tokenizer", "", "SentencePiece model (the PaliGemma tokenizer for real checkpoints; a file or a gs:// "
+                           "URL). Empty: the small tokenizer shipped for the tiny/bench presets."),
     Param("norm_stats", "", "openpi norm_stats.json, a checkpoint directory holding "
                             "assets/<asset_id>/norm_stats.json, or a LeRobot policy folder (its processors' "
                             "statistics and modes). Empty: a LeRobot checkpoint folder's own, else no "
@@ -279,7 +279,7 @@ class EngineNode(LifecycleNode):
         p = self.p
         if p["model"] not in PRESETS and not Path(p["model"]).is_file():
             problems.append(f"model {p['model']!r} is neither a preset ({', '.join(PRESETS)}) nor a config file")
-        for key in ("checkpoint", "norm_stats"):       # a hub id or gs:// URL: fetched once, verified
+        for key in ("checkpoint", "norm_stats", "tokenizer"):     # a hub id or gs:// URL: fetched once, verified
             if isinstance(p[key], str) and p[key] and is_remote(p[key]):
                 try:
                     p = dict(p, **{key: str(resolve_checkpoint(p[key], self.get_logger().info))})
