@@ -56,7 +56,7 @@ class Batch:
     attention: TrainPrefixAttention
     answer_targets: torch.Tensor     # [n] token ids predicted at attention.last_token
     actions: torch.Tensor            # [B, H, action_dim] normalised deltas
-    patch_colours: torch.Tensor      # [B, patches] 0 = no cube, 1 + COLOUR_NAMES index
+    patch_colours: torch.Tensor      # [B, patches] 0 = no cube, else a class of patch_colours
     given_rows: torch.Tensor | None = None   # [B] prefix conditioning: leading rows of `actions` given clean
 
 
@@ -93,19 +93,27 @@ def conditioned_chunk(state: np.ndarray, goal: np.ndarray, other_goals: list[np.
     return np.concatenate([earlier[1:], rows[1:]])
 
 
-def patch_colours(images: np.ndarray, patch: int, min_pixels: int = 3) -> np.ndarray:
-    """Which cube colour each image patch shows (0: none), read from the rendered pixels: the cubes are
-    the only saturated colours in the scene. [N, H, W, 3] uint8 -> [N, patches] (row-major, as SigLIP)."""
+def patch_colours(images: np.ndarray, patch: int, min_pixels: int = 3,
+                  touched: np.ndarray | None = None) -> np.ndarray:
+    """Which cube colour each image patch shows (0: none, else 1 + COLOUR_NAMES index), read from the rendered
+    pixels: the cubes are the only saturated colours in the scene (a touched cube of a multi-step task is
+    darker, still its colour). `touched` [N, colours] (bool, from the samples' truth): a patch of a touched
+    colour is labelled 1 + len(COLOUR_NAMES) + index instead, so that the image tokens say which cubes are
+    done. [N, H, W, 3] uint8 -> [N, patches] (row-major, as SigLIP)."""
     n, h, w, _ = images.shape
     rgb = np.array([COLOURS[c] for c in COLOUR_NAMES]) * 255.0
-    rgb = np.concatenate([rgb, rgb * TOUCHED_SHADE])          # a touched cube (multi-step tasks) is darker
+    rgb = np.concatenate([rgb, rgb * TOUCHED_SHADE])
     pixels = images.astype(np.float32)
     close = np.abs(pixels[:, :, :, None, :] - rgb).max(-1) < 70      # [N, H, W, 2C]
     # The dark shades are near the arm's greys: a touched cube's pixels are also strongly coloured.
     close[..., len(COLOUR_NAMES):] &= (pixels.max(-1) - pixels.min(-1) > 50)[..., None]
     counts = close.reshape(n, h // patch, patch, w // patch, patch, 2, -1).sum(axis=(2, 4, 5))
     counts = counts.reshape(n, -1, len(COLOUR_NAMES))
-    return np.where(counts.max(-1) >= min_pixels, counts.argmax(-1) + 1, 0)
+    colour = counts.argmax(-1)
+    labels = np.where(counts.max(-1) >= min_pixels, colour + 1, 0)
+    if touched is not None:
+        labels = np.where((labels > 0) & np.take_along_axis(touched, colour, 1), labels + len(COLOUR_NAMES), labels)
+    return labels
 
 
 def make_batch(data: dict[str, np.ndarray], index: np.ndarray, tok: Tokenizer, norm: Normalizer,
@@ -223,5 +231,10 @@ def make_joint_batch(data: dict[str, np.ndarray], index: np.ndarray, tok: Tokeni
         offset += start
     actions = normalize_actions(norm, action_deltas({"chunk": data["chunk"][index], "state": data["state"][index]}))
     patch = int(image_size / image_tokens ** 0.5)
+    touched = np.zeros((len(index), len(COLOUR_NAMES)), dtype=bool)
+    for row, i in enumerate(index):
+        for cube in data["order"][i][:int(data["done"][i])]:
+            touched[row, data["colours"][i][cube]] = True
+    labels = patch_colours(data["image"][index], patch, touched=touched)
     return Batch(rows, TrainPrefixAttention(lengths, bidir, prefix, torch.tensor(read), forks), torch.tensor(targets),
-                 torch.tensor(actions, dtype=torch.float32), torch.tensor(patch_colours(data["image"][index], patch)))
+                 torch.tensor(actions, dtype=torch.float32), torch.tensor(labels))

@@ -42,6 +42,8 @@ from . import data as datagen
 from .attention import TrainActionAttention
 from .batches import Batch, make_batch, make_joint_batch, norm_stats
 
+PATCH_CLASSES = 1 + 2 * len(COLOUR_NAMES)       # none, each colour, each colour touched (batches.patch_colours)
+
 
 def init_weights(model: Pi05, seed: int) -> Pi05:
     """Training init: PyTorch defaults for the linears; embeddings ~ N(0, 1/width) (they are scaled by
@@ -170,7 +172,7 @@ class Trainer:
             self.model = init_weights(Pi05(self.cfg), seed).train()
         else:       # the loader gives a serving model (no gradients): every parameter trains unless expert_only
             self.model = load_pi05(Path(init), self.cfg).train().requires_grad_(True)
-        self.probe = None if expert_only else PatchColourProbe(cfg.vision.width, 1 + len(COLOUR_NAMES))
+        self.probe = None if expert_only else PatchColourProbe(cfg.vision.width, PATCH_CLASSES)
         if expert_only:
             for name, p in self.model.named_parameters():
                 p.requires_grad_(name.startswith(EXPERT_PARAMETERS))
