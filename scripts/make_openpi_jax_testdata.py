@@ -120,6 +120,8 @@ def main(openpi: Path) -> None:
         node[parts[-1]] = value
     with ocp.PyTreeCheckpointer() as checkpointer:           # what openpi's checkpoints.save_state writes
         checkpointer.save((folder / "params").resolve(), {"params": tree})
+    # orbax's commit marker names the absolute folder it wrote: kept without the machine's path
+    (folder / "params" / "commit_success.txt").write_text("Checkpoint commit was successful to params")
     assets = folder / "assets" / "tiny_robot"
     assets.mkdir(parents=True)
     stats = {"norm_stats": {key: {"mean": [0.1] * ACTION_DIM, "std": [2.0] * ACTION_DIM, "q01": [-1.5] * ACTION_DIM,
