@@ -24,8 +24,6 @@ from oxygen_ros.model.config import LIMITS, load_config, preset
     ("question_template", "{text!r}", "{text} takes no format spec or conversion"),
     ("question_template", "{text:>1000000000}", "{text} takes no format spec or conversion"),   # 1 GB per question
     ("question_template", "Question:", "must contain {text}"),
-    ("subtask_template", "{task}{subtask}", "{subtask} is not a field it may use ({task};"),
-    ("action_task_template", "{task} {subtask} {0}", "{0} is not a field it may use ({task}, {subtask};"),
 ])
 def test_a_template_the_engine_could_not_format_is_refused_in_one_line(name, template, said):
     problems = EngineConfig(**{name: template}).problems()
@@ -35,8 +33,6 @@ def test_a_template_the_engine_could_not_format_is_refused_in_one_line(name, tem
 @pytest.mark.parametrize("name, template, fields", [
     ("question_template", "Q: {text}\n", dict(text="where is the cube?")),
     ("question_template", "{{literal}} {text}", dict(text="x")),
-    ("subtask_template", "{task}. Subtask:", dict(task="pick")),
-    ("action_task_template", "{subtask} ({task})", dict(task="pick", subtask="reach")),
 ])
 def test_a_template_that_formats_is_accepted(name, template, fields):
     assert EngineConfig(**{name: template}).problems() == []

@@ -1,5 +1,5 @@
 """The engine end to end: the numerics contract across policies, a 100-frame run, tasks (memory,
-subtask, streaming, stop strings, sampling), and the threaded API."""
+streaming, stop strings, sampling; hierarchical language: test_hierarchy_engine.py), and the threaded API."""
 import threading
 import time
 
@@ -110,22 +110,6 @@ def test_memory_captions_are_produced_and_bounded(engine_factory, obs):
     assert all(c.text and c.prompt == "Describe the scene." for c in seen)
     assert [c.stamp for c in seen] == [obs(i).stamp_s for i in (0, 3, 6, 9)]
     assert [c.frame_index for c in engine.captions()] == [6, 9]
-
-
-def test_subtask_mode_conditions_the_action_prompt(engine_factory, obs):
-    noise = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
-    plain = engine_factory(policy="oxygen")
-    plain.run_cycle(obs(0), noise)
-    sub = engine_factory(policy="oxygen", subtask=True, subtask_max_tokens=4)
-    prefilled = []                     # the rows of the cycle's shared prefill (the frame's KV)
-    prefill = sub.runner.prefill
-    sub.runner.prefill = lambda rows, *a: (prefilled.append(rows), prefill(rows, *a))[1]
-    sub.run_cycle(obs(0), noise)
-    assert sub.subtask.text and sub.subtask.text == sub.subtask.text.strip()
-    prompt = sub.tokenizer.decode(prefilled[-1][0].tokens.tolist())
-    assert f"Task: pick up the red cup. Subtask: {sub.subtask.text}, State:" in prompt
-    assert not np.allclose(plain.latest_chunk().model_actions, sub.latest_chunk().model_actions)
-    assert sub.runner.pool.blocks.num_used == 0
 
 
 def test_streaming_partials_and_stop_strings(engine_factory, obs):

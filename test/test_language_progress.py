@@ -296,3 +296,80 @@ def test_a_question_for_a_robot_that_never_sent_a_frame_ends_with_a_clear_error(
     assert reply.finish_reason == "error" and "no frame yet from robot 'arm'" in reply.error, reply
     assert reply.latency_s <= FIRST_FRAME_WAIT_S + 0.2
     assert seen.result(0).success
+
+
+def test_a_never_framed_robots_refusal_ends_only_its_own_questions(engine_factory, obs):
+    """Robot 'arm' never sends a frame; the robot "" does, and has a question waiting (the batch is full)
+    when arm's question is refused: that refusal ends arm's questions only."""
+    from oxygen_ros.engine.intake import FIRST_FRAME_WAIT_S
+
+    clock = SimClock()
+    engine = engine_factory(clock=clock, ignore_eos=True, decode_budget="fixed", tokens_per_frame=1,
+                            max_active_requests=1)
+    engine.add_robot("arm", engine.preparer)
+    engine.run_frames({"": obs(0)})
+    busy = engine.submit(TextRequest("what is on the table?", max_tokens=200, owner="", timeout_s=300.0))
+    engine.run_frames({"": obs(1)})
+    queued = engine.submit(TextRequest("and now?", max_tokens=2, owner="", timeout_s=300.0))
+    lost = engine.submit(TextRequest("what is on the table?", max_tokens=3, owner="arm", timeout_s=300.0))
+    for i in range(2, int(FIRST_FRAME_WAIT_S / 0.1) + 4):
+        if lost.done():
+            break
+        clock.advance(0.1)
+        engine.run_frames({"": obs(i)})
+    assert "no frame yet from robot 'arm'" in lost.result(0).error
+    assert not busy.done() and not queued.done(), queued.result(0) if queued.done() else "running"
+    busy.cancel()
+    engine.run_frames({"": obs(50)})
+    engine.run_frames({"": obs(51)})
+    assert queued.result(0).success
+
+
+def test_a_reused_frame_never_takes_the_next_cycles_kv_reserve(engine_factory, obs):
+    """A robot's last frame is prefilled again for its waiting question only while the pool keeps the next
+    cycle's reserve beside it: one block short of reserve + a frame's prefix, nothing is re-used."""
+    clock = SimClock()
+    engine = engine_factory(clock=clock, ignore_eos=True, decode_budget="fixed", tokens_per_frame=2)
+    engine.run_cycle(obs(0))
+    handle = engine.submit(TextRequest("what is on the table?", max_tokens=2, timeout_s=300.0))
+    clock.advance(2 * engine.info.chunk_period_s)                  # the camera paused
+    blocks = engine.runner.pool.blocks
+    need = engine.scheduler.reserve_blocks + engine._robots.prefix_blocks
+    hog = blocks.allocate(blocks.num_free - need + 1)
+    engine.run_cycle()
+    assert engine.stats.counter("reused_frames") == 0 and engine.queued_requests == 1
+    blocks.decref(hog[:1])
+    engine.run_cycle()
+    assert engine.stats.counter("reused_frames") == 1
+    blocks.decref(hog[1:])
+    for _ in range(4):
+        engine.run_cycle()
+    assert handle.result(0).success and handle.result(0).frame_index == 0
+
+
+def test_reuse_waits_for_a_newer_prepared_frame():
+    """A robot whose newer frame is prepared (the preparer thread made it) is not given its old frame again."""
+    from oxygen_ros.engine.cycle import Frame
+    from oxygen_ros.engine.intake import Intake, Pending
+
+    intake = Intake(("",))
+    intake.keep(Frame("", 0, None, None, None, 0.0, "task"), used=0.0)
+    assert intake.reusable("", now=10.0, period=0.1) is not None
+    intake.put_ready("", Pending(object(), None, deadline=10.5))
+    assert intake.reusable("", now=10.0, period=0.1) is None
+    intake.take_due(1, prepared_only=True)
+    assert intake.reusable("", now=10.0, period=0.1) is not None
+
+
+def test_a_paused_camera_is_expected_only_a_quarter_interval_late():
+    """A camera every 0.1 s: its next frame is expected up to 25% of an interval late, then not at all (the
+    cycles' language is no longer cut short for a frame that does not come)."""
+    from oxygen_ros.engine.intake import Intake, Pending
+
+    intake = Intake(("",))
+    for t in (0.0, 0.1, 0.2):
+        intake.put("", Pending(object(), None, t + 0.5), arrived=t)
+    assert intake.next_arrival(0.25) == pytest.approx(0.3)
+    assert intake.next_arrival(0.32) == pytest.approx(0.32)        # 20% late: expected now
+    assert intake.next_arrival(0.2 + 0.1 * 1.3) is None
+    assert intake.next_arrival(0.2 + 0.1 * 3) is None

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import ACTION_S, PREFILL_S, SimClock, decode_cost, simulate_costs
 from oxygen_ros.engine.requests import TextRequest
-from oxygen_ros.engine.scheduler import LanguageBudget
+from oxygen_ros.engine.scheduler import ForwardCost, LanguageBudget
 
 def test_decode_budget_rules():
     fixed = LanguageBudget("fixed", tokens_per_frame=5, min_steps=1, chunk_tokens=64)
@@ -229,3 +229,19 @@ def test_invalid_requests_are_refused_precisely(engine_factory):
     r = engine.submit(TextRequest("fine", max_tokens=10_000)).result(0)
     assert "max_tokens must be in 1..256" in r.error
     assert engine.queued_requests == 0
+
+
+def test_decode_steps_never_push_the_prefills_out_of_the_cost_model():
+    """The cost model keeps decode steps and question prefills in windows of their own: a run of decode steps
+    longer than the window leaves the prefills that make the token cost identifiable (one shared window:
+    only rows = tokens points remain, the row and token costs cannot be told apart, and the fit shares them
+    out wrongly)."""
+    cost = ForwardCost(window=8)
+    f = lambda rows, tokens: 0.010 + 0.002 * rows + 0.0005 * tokens             # noqa: E731
+    for rows, tokens in [(1, 64), (2, 150)]:
+        cost.observe(rows, tokens, f(rows, tokens))
+    for _ in range(100):
+        for batch in (1, 4):
+            cost.observe(batch, batch, f(batch, batch))
+    assert cost.coefficients == pytest.approx((0.010, 0.002, 0.0005), rel=1e-6)
+    assert cost.tokens_within(f(1, 200) + 1e-12, 1) == 200

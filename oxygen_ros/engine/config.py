@@ -15,11 +15,11 @@ from oxygen_ros.model import rtc as rtc_fns
 from oxygen_ros.model.config import LIMITS
 
 POLICIES = ("isolated", "shared_kv", "oxygen")
+HIERARCHY_MODES = ("auto", "off", "pi052", "joint")
 SEED_MAX = (1 << 63) - 1           # a ROS integer parameter's largest value
 # The format templates and the fields the engine fills each with (and no others: no positional `{0}`, no
 # attribute or index, no format spec); a question template without its question would ask nothing.
-TEMPLATES = {"question_template": ("text",), "subtask_template": ("task",),
-             "action_task_template": ("task", "subtask")}
+TEMPLATES = {"question_template": ("text",)}
 REQUIRED_FIELDS = {"question_template": "text"}
 
 
@@ -77,11 +77,21 @@ class EngineConfig:
     memory_period_s: float = setting(0.0, "Caption every S seconds (0: off).", minimum=0.0)
     memory_max_tokens: int = setting(24, "Caption length in tokens.", minimum=1)
     memory_log_size: int = setting(100, "Captions kept in the engine's log.", minimum=1)
-    subtask: bool = setting(False, "pi0.5 subtask mode: generate a subtask text, then condition the actions "
-                                   "on it.")
-    subtask_template: str = setting("{task}. Subtask:", "Prompt that asks for the subtask.", ros=False)
-    action_task_template: str = setting("{task}. Subtask: {subtask}", "Action prompt in subtask mode.", ros=False)
-    subtask_max_tokens: int = setting(12, "Longest subtask text in tokens.", minimum=1)
+    # Hierarchical language (pi052 formats, tasks/hierarchy.py, docs/hierarchy.md).
+    hierarchy: str = setting("auto", "Hierarchical language: the model writes a subtask that conditions the actions, "
+                                     "a progress memory and interjection replies (pi052: the default recipe, an "
+                                     "extra prefill per text; joint: forks of the frame's own prefix). auto: what "
+                                     "the checkpoint's pi052 config says, off for any other checkpoint.",
+                             choices=HIERARCHY_MODES)
+    subtask_period_s: float = setting(1.0, "A robot's subtask is re-generated every S seconds (LeRobot's runtime: "
+                                           "1 Hz; 0: only by subtask_every_chunks).", minimum=0.0)
+    subtask_every_chunks: int = setting(0, "A robot's subtask is re-generated every N delivered chunks (0: only "
+                                              "by subtask_period_s; both 0: once per task).",
+                                        minimum=0)
+    progress_memory: bool = setting(True, "Re-write a robot's progress memory when its subtask changes (when the "
+                                          "checkpoint's recipe trains it).")
+    subtask_sync: bool = setting(False, "Serial reference: a frame whose subtask is due waits for it before its "
+                                        "actions (LeRobot's order; for tests and A/B runs, not for serving).")
     # Real-time chunking (docs/rtc.md): the chunk of a robot whose publisher plays execution 'rtc'.
     rtc: bool = setting(False, "Real-time chunking: guide each robot's new chunk to continue the chunk its "
                                "publisher plays while it is computed (action publisher execution: rtc). Off by "

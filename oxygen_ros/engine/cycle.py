@@ -29,8 +29,11 @@ class Frame:
     prepared: PreparedFrame
     noise: torch.Tensor
     deadline: float                            # engine clock: the robot's chunk is due by then
-    task: str                                  # the observation's prompt (subtask mode asks about it)
+    task: str                                  # the observation's prompt (the hierarchy's task)
     cache: FrameCache | None = None            # the frame's prefix KV, once prefilled
+    subtask: str = ""                          # the subtask its actions are conditioned on (hierarchy)
+    action_cache: FrameCache | None = None     # what the actions read when not `cache`: the prefix plus the
+                                               # joint format's causal subtask span (tasks/hierarchy.py)
 
 
 @dataclass

@@ -1,29 +1,14 @@
 """The unified-KV engine: one thread owns the device and runs the frame cycle; the frame's tasks
 (`tasks/`) read each frame's KV.
 
-Robots (robots.py): each a name with its own policy I/O (a `FramePreparer`), added at construction or at
-run time; the model and the KV pool are shared. The single robot is "" (the default of every call).
-
-Frame cycle (policy `oxygen`):
-  1. take each robot's newest observation (older ones of the same robot were dropped and counted; one
-     robot's frames never displace another's), at most `max_robots_per_cycle`, earliest deadline first
-     (deadline = arrival on the engine clock + the robot's chunk period); the others wait for the next
-     cycle (counted as deferred);
-  2. [subtask] condition each frame's action prompt on a generated subtask text (subtask mode only);
-  3. prefill the frames once, together: ONE model forward -> a `FrameCache` per robot (the frame's KV);
-  4. [actions] denoise every frame's chunk together and deliver it (first, so it meets its deadline);
-  5. [captions] ask for a scene caption of a delivered frame when one is due;
-  6. [conversation] admit language requests onto their owner's frame and decode all running ones
-     together while the cycle's budget lasts; a cycle without a frame stops at the next step boundary
-     when a new observation arrives. A robot with questions waiting, no frame held for them and no new
-     frame for over a camera interval gets its last delivered frame again (prefilled, no chunk: not a new
-     observation); a robot that never sent a usable frame has its questions refused after
-     FIRST_FRAME_WAIT_S (`_reuse`);
-  7. release: the cycle's frame references are dropped on every path (a `with` block); finished requests
-     drop theirs in `Scheduler.finish`.
-
-Who owns what: ARCHITECTURE.md. Callers (ROS nodes, servers, the benchmark) use the thread-safe API;
-nothing they call blocks on the engine, and their callbacks cannot break it.
+Robots (robots.py): each a name ("" when single) with its own policy I/O; the model and KV pool are shared.
+Frame cycle (policy `oxygen`): take each robot's newest observation (at most `max_robots_per_cycle`,
+earliest deadline first; the others wait: deferred) -> [hierarchy] each frame's prompt -> prefill the frames
+in ONE forward (a `FrameCache` per robot; [hierarchy, joint] plus the causal subtask span) -> [actions]
+every chunk denoised together and delivered first -> [captions, hierarchy] a caption or subtask request
+when due -> [conversation] language admitted onto the frames (or a robot's last frame again) and decoded
+while the budget lasts -> release (a `with` block; finished requests in `Scheduler.finish`).
+Who owns what: ARCHITECTURE.md. Callers use the thread-safe API; nothing they call blocks on the engine.
 """
 from __future__ import annotations
 
@@ -36,28 +21,31 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
+from oxygen_ros.model.pi052 import Pi052Format
 from oxygen_ros.robot.errors import InputError
 
 from .capacity import Capacity, CapacityCheck
 from .config import POLICIES, EngineConfig
 from .cycle import CycleReport, Frame, Listeners
 from .frames import FramePreparer
-from .intake import FIRST_FRAME_WAIT_S, Intake, Pending, PreparerThread
+from .intake import Intake, Pending, PreparerThread
 from .model_runner import EngineFault, ModelRunner
 from .robots import EngineInfo, Robots
 from .requests import RequestHandle, TextRequest, refused
 from .scheduler import Scheduler
 from .stats import EngineStats
-from .tasks import ActionsTask, Caption, CaptionsTask, ChunkResult, ConversationTask, SubtaskTask
+from .tasks import (ActionsTask, Caption, CaptionsTask, ChunkResult, ConversationTask, HierarchyTask,
+                    LanguageUpdate)
 
 log = logging.getLogger("oxygen_ros.engine")
 
 
 class Engine:
     def __init__(self, runner: ModelRunner, preparer: FramePreparer | Mapping[str, FramePreparer],
-                 tokenizer, config: EngineConfig | None = None, clock: Callable[[], float] = time.monotonic):
-        """`preparer`: one robot's (the robot "") or {robot name: its FramePreparer} for a fleet (may be
-        empty: robots are then added at run time)."""
+                 tokenizer, config: EngineConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 text_format: Pi052Format | None = None):
+        """`preparer`: the robot ""'s, or {name: FramePreparer} for a fleet (may be empty: robots added at run
+        time). `text_format`: a pi052 checkpoint's prompt format (hierarchy "auto" follows it)."""
         self.config = config or EngineConfig()
         self.config.validate()
         preparers = dict(preparer) if isinstance(preparer, Mapping) else {"": preparer}
@@ -76,10 +64,11 @@ class Engine:
             runner.model.device.type == "cuda"
         self._intake = Intake(())
         self._preparer_thread = PreparerThread(self._intake, lambda r: self.preparers.get(r), lambda: self.clock())
-        self._chunk_listeners, self._caption_listeners, self._frame_listeners, self._discard_listeners = (
-            Listeners(self.stats), Listeners(self.stats), Listeners(self.stats), Listeners(self.stats))
+        (self._chunk_listeners, self._caption_listeners, self._frame_listeners, self._discard_listeners,
+         self._language_listeners) = (Listeners(self.stats) for _ in range(5))
         # The frame's tasks, in cycle order (tasks/): each owns its state.
-        self.subtask = SubtaskTask(runner, tokenizer, self.config)
+        self.hierarchy = HierarchyTask(runner, tokenizer, self.config, text_format, self.scheduler.submit, self.stats,
+                                       lambda: self.clock(), self._language_listeners)
         self.actions = ActionsTask(runner, self.config, self.stats, lambda: self.clock(), self._chunk_listeners)
         self.captions_task = CaptionsTask(self.config, self.stats, self.submit, self._caption_listeners)
         self.conversation = ConversationTask(runner, self.scheduler, self.config, self.stats, lambda: self.clock(),
@@ -99,10 +88,9 @@ class Engine:
 
     # ================================================================== robots (any thread)
     def add_robot(self, name: str, preparer: FramePreparer, captions: bool = True, rtc: bool = True) -> EngineInfo:
-        """Serve one more robot from now on (a connecting client, a fleet member; `captions`: the memory
-        settings apply to its frames; `rtc`: the engine's real-time chunking, when on, guides its chunks: not
-        for a robot that plays chunks open-loop, like an openpi client). ValueError when the name is taken,
-        the KV pool cannot keep room for one more frame per cycle, or (strict_capacity) it won't fit."""
+        """Serve one more robot from now on (`captions`: the memory settings apply to its frames; `rtc`: the
+        engine's RTC guides its chunks: not for a robot playing chunks open-loop, like an openpi client).
+        ValueError when the name is taken, the pool has no room for its frame, or (strict_capacity) it won't fit."""
         with self._robots.lock:
             self._capacity.check_added({**self._robots.chunk_periods(), name: self._robots.chunk_period(preparer)})
             info = self._robots.add(name, preparer)
@@ -122,15 +110,14 @@ class Engine:
             self.scheduler.drop_owner(name, reason)
             self._intake.remove_robot(name)
             self._preparer_thread.forget(name)
-            self.actions.forget(name)
-            self.captions_task.forget(name)
+            for task in (self.actions, self.captions_task, self.hierarchy):
+                task.forget(name)
             self.stats.remove_robot(name)
         self._intake.wake()
 
     def capacity(self) -> Capacity:
-        """Whether the robots fit their chunk periods (capacity.py). The first call measures the cycle cost on
-        the caller's thread (unless frame_cost_ms declares it): call it before `start`. With strict_capacity
-        a shortfall raises ValueError."""
+        """Whether the robots fit their chunk periods (capacity.py; the first call measures the cycle cost on the
+        caller's thread unless frame_cost_ms declares it: call it before `start`; strict_capacity: ValueError)."""
         return self._capacity.check(self._robots.chunk_periods(), may_measure=self._thread is None)
 
     @property
@@ -149,8 +136,7 @@ class Engine:
     def info(self) -> EngineInfo:                   # the first robot's (the robot "" when single)
         return self._robots.infos[self.robots[0]]
 
-    def robot_info(self, robot: str = "") -> EngineInfo:
-        """What a node may know about one robot's side of the engine (action_dim etc. are per robot)."""
+    def robot_info(self, robot: str = "") -> EngineInfo:    # one robot's side of the engine (action_dim etc.)
         return self._robots.info(robot)
 
     # ================================================================== caller API (any thread)
@@ -177,9 +163,26 @@ class Engine:
     def add_discard_listener(self, fn: Callable[[str, str], None]) -> None:     # (robot, why): no chunk
         self._discard_listeners.add(fn)
 
+    def add_language_listener(self, fn: Callable[[LanguageUpdate], None]) -> None:   # hierarchy texts
+        self._language_listeners.add(fn)
+
+    def language_state(self, robot: str = "") -> dict:
+        """A robot's task, subtask, progress memory, plan and speech, each with the index and stamp of the frame
+        it came from (`{kind}_frame` -1 when none yet). ValueError for an unknown robot."""
+        return self.hierarchy.language_state(self._robots.info(robot).robot)
+
+    def interject(self, text: str, robot: str = "", timeout_s: float = 30.0) -> RequestHandle:
+        """The operator's interjection about a robot's task: when it finishes, the robot's plan and speech are
+        updated (and the language listeners called); the Reply's text is the raw reply."""
+        if robot not in self._robots.infos or self.faulted:
+            return refused(TextRequest(str(text), kind="interjection", owner=robot), f"engine stopped: {self.faulted}"
+                           if self.faulted else f"unknown robot {robot!r} (serving {list(self.robots)})", self.clock())
+        handle = self.hierarchy.interject(text, robot, timeout_s)
+        self._intake.wake()
+        return handle
+
     def frame_noise(self, index: int) -> torch.Tensor:
-        """The flow-matching noise of frame `index`: a function of (seed, index) only, so that a recording
-        replays bit for bit from any frame on, whatever frames were dropped before it."""
+        """Frame `index`'s flow-matching noise: of (seed, index) only, so a recording replays bit for bit."""
         seed = int(np.random.SeedSequence([self.config.seed, index]).generate_state(1)[0])
         return self.runner.noise(torch.Generator().manual_seed(seed))
 
@@ -187,9 +190,8 @@ class Engine:
         return list(self.captions_task.log)
 
     def submit(self, request: TextRequest) -> RequestHandle:
-        """Queue a language request. Invalid, never-fitting or over-capacity requests, and any request once
-        the engine is stopping or in its safe stop, come back already finished with success False and the
-        reason in `error` (finish_reason "refused"): nothing is dropped silently."""
+        """Queue a language request. Invalid, never-fitting or over-capacity requests, and any once the engine
+        stops or is in its safe stop, come back finished with finish_reason "refused" and the reason in `error`."""
         if self.faulted:
             return refused(request, f"engine stopped after repeated faults: {self.faulted}", self.clock())
         handle = self.scheduler.submit(request)
@@ -210,9 +212,8 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> bool:
-        """Stop the engine thread; new requests are refused and every unfinished one gets an error reply.
-        False when the thread did not stop within `timeout` (a device call hangs): it then answers the
-        unfinished requests itself when it exits, and `start` refuses to run a second loop beside it."""
+        """Stop the engine thread; new requests are refused, every unfinished one gets an error reply. False when
+        the thread did not stop within `timeout` (a hung device call): it answers them itself when it exits."""
         self.scheduler.close("engine stopped")
         self._stop.set()
         self._preparer_thread.stop(timeout)
@@ -240,12 +241,10 @@ class Engine:
     def queued_requests(self) -> int:
         return len(self.scheduler.waiting)
 
-    def reset_pool_peak(self) -> None:
-        """Start a new measurement of the peak KV blocks in use (stats: pool_peak_blocks)."""
+    def reset_pool_peak(self) -> None:        # a new measurement of the peak KV blocks in use (pool_peak_blocks)
         self.runner.pool.blocks.reset_peak()
 
-    def question_tokens(self, text: str) -> list[int]:
-        """The tokens a question is appended as (after the frame's prefix)."""
+    def question_tokens(self, text: str) -> list[int]:     # what a question is appended as after the prefix
         return self.tokenizer.encode(self.config.question_template.format(text=text))
 
     # ================================================================== engine thread
@@ -253,8 +252,7 @@ class Engine:
         ahead = self.prepare_ahead
         try:
             while not self._stop.is_set():
-                # Running requests: the next cycle at once, with or without a frame (a cycle without one has
-                # a frame period of language and stops early for a frame). Else wait for a frame or a request.
+                # Running requests: the next cycle at once (with or without a frame); else wait for work.
                 if not self.scheduler.running:
                     self._intake.wait(self.frame_period, prepared_only=ahead)
                 if self._stop.is_set():
@@ -277,9 +275,8 @@ class Engine:
 
     def run_frames(self, observations: Mapping[str, object] | None = None,
                    noise: Mapping[str, np.ndarray] | None = None) -> CycleReport:
-        """One cycle over several robots' observations ({robot: obs}, optional {robot: noise}) and what is
-        pending, synchronously (benchmark, tests; observations prepared inline): at most
-        max_robots_per_cycle frames, earliest deadline first; the others stay pending (deferred)."""
+        """One cycle, synchronously (benchmark, tests; prepared inline), over {robot: obs} (and {robot: noise})
+        and what is pending: at most max_robots_per_cycle frames, earliest deadline first; others deferred."""
         observations, noise = dict(observations or {}), dict(noise or {})
         unknown = [r for r in list(observations) + list(noise) if r not in self._robots.infos]
         if unknown:
@@ -301,10 +298,10 @@ class Engine:
         with contextlib.ExitStack() as cycle:       # the cycle's frame references, released on every path
             frames = self._frames(due, report, cycle) if due and not self.faulted else []
             if self.scheduler.waiting and not self.faulted:
-                frames += self._reuse({f.robot for f in frames}, cycle)
+                frames += self.conversation.reuse({f.robot for f in frames}, self._intake, self._robots.chunk_periods(),
+                                                  self._robots.prefix_blocks, lambda fs, bad: self._prefill(fs, bad, cycle))
             if frames or self.scheduler.has_work or self.conversation.held:
-                # Language ends by the chunk deadline (a cycle without a frame: a frame period from its start),
-                # and by the next camera frame expected (actions first).
+                # Language ends by the chunk deadline and by the next camera frame expected (actions first).
                 deadline = min(start + self.frame_period, self._intake.next_arrival(self.clock()) or float("inf"))
                 self.conversation.run({f.robot: f for f in frames}, report, deadline)
         report.duration_s = self.clock() - start
@@ -314,25 +311,24 @@ class Engine:
         return report
 
     def _frames(self, due: dict[str, Pending], report: CycleReport, cycle: contextlib.ExitStack) -> list[Frame]:
-        """Prepare each robot's observation, run the tasks that come before language (subtask, prefill,
-        actions, captions). Returns the frames whose chunks were delivered (the cycle holds their KV)."""
+        """Each robot's observation through the tasks before language (prompt, prefill, actions, captions, subtask
+        requests). Returns the frames whose chunks were delivered (the cycle holds their KV)."""
         work = [f for f in (self._prepare(robot, pending, report) for robot, pending in due.items()) if f]
         if not work:
             return []
         report.frame_index, report.robots = work[0].index, [f.robot for f in work]
         faults: list[tuple[Frame, str]] = []      # frames discarded, and why
         try:
-            if self.config.subtask:
-                work = self.subtask.condition(work, faults)
+            work = self.hierarchy.prompt(work, faults)
             t = self.clock()
             work = self._prefill(work, faults, cycle)
+            self.hierarchy.spans(work, cycle)
             report.prefill_s = self.clock() - t
             t = self.clock()
             chunks = self.actions.chunks(work, report.start, faults) if work else []
             report.action_s = self.clock() - t
         except Exception as e:  # noqa: BLE001 - any failure of the frames' computation is a fault
-            # NaN/inf (EngineFault), PoolExhausted (cannot happen while the reserve holds), device errors,
-            # injected faults: the chunks are discarded, the publishers keep their safe behaviour.
+            # NaN/inf, PoolExhausted, device errors: the chunks are discarded, the publishers stay safe.
             for f in work:
                 self._fault(f.robot, f.index, f"{type(e).__name__}: {e}", report)
             return []
@@ -345,49 +341,9 @@ class Engine:
             self.actions.deliver(f, chunk)
             self._intake.keep(f, report.start)
             self.captions_task.after_chunk(f, self.clock())
+            self.hierarchy.after_chunk(f)
         report.chunks = len(chunks)
         return [f for f, _ in chunks]
-
-    def _reuse(self, framed: set[str], cycle: contextlib.ExitStack) -> list[Frame]:
-        """Questions must not wait for a frame that may never come (a paused camera; a client that waits for
-        its reply before it sends its next observation). For each robot with questions waiting, no frame
-        this cycle and none held for them (ConversationTask._hold), and no newer frame on its way: its last
-        delivered frame again, prefilled in one forward (held by the cycle; the conversation then admits onto
-        it and holds it while they wait). No chunk comes of it: it is not a new observation, and a chunk
-        planned from an old state must not reach the robot. Only while the pool keeps the next cycle's
-        reserve beside it. A robot that never delivered a frame: its questions waiting longer than
-        FIRST_FRAME_WAIT_S end with an error at once instead of at their timeout."""
-        now, blocks = self.clock(), self.runner.pool.blocks
-        reused: list[Frame] = []
-        for robot in sorted(self.scheduler.waiting_owners() - framed - set(self.conversation.held)):
-            if (info := self._robots.infos.get(robot)) is None:
-                continue
-            if self._intake.never_framed(robot):
-                self._refuse_frameless(robot, now)
-            elif (frame := self._intake.reusable(robot, now, info.chunk_period_s)) is not None and \
-                    blocks.num_free >= self.scheduler.reserve_blocks + (len(reused) + 1) * self._robots.prefix_blocks:
-                reused.append(frame)
-        if not reused:
-            return []
-        faults: list[tuple[Frame, str]] = []
-        try:
-            reused = self._prefill(reused, faults, cycle)
-        except Exception as e:  # noqa: BLE001 - as a frame's prefill: the robots' questions wait on, nothing else
-            faults = [(f, f"{type(e).__name__}: {e}") for f in reused]
-            reused = []
-        for f, message in faults:
-            self.stats.count("faults")
-            self.stats.note_error(f"re-used frame {f.index}{_of(f.robot)}: {message}")
-            log.error("re-used frame %d%s: %s", f.index, _of(f.robot), message)
-        for f in reused:
-            self.stats.count("reused_frames")
-            self.stats.count_robot(f.robot, "reused_frames")
-        return reused
-
-    def _refuse_frameless(self, robot: str, now: float) -> None:
-        whose = f"robot {robot!r}" if robot else "the robot"
-        self.scheduler.fail_waiting(robot, now - FIRST_FRAME_WAIT_S,
-                                    f"no frame yet from {whose} after {FIRST_FRAME_WAIT_S:g} s: nothing to answer about")
 
     def _prefill(self, frames: list[Frame], faults: list, cycle: contextlib.ExitStack) -> list[Frame]:
         """The frames' prefixes in ONE forward: each good frame gets its `cache` (held by the cycle)."""
@@ -409,17 +365,7 @@ class Engine:
             return None
         index, self._frame_index = self._frame_index, self._frame_index + 1
         try:
-            if pending.error is not None:
-                raise pending.error
-            if pending.prepared is not None:
-                prepared = pending.prepared
-                report.prepared_ahead += 1
-            else:
-                t = self.clock()
-                prepared = preparer.prepare(pending.obs)
-                report.prepare_s += self.clock() - t
-            noise = self.frame_noise(index) if pending.noise is None else \
-                torch.as_tensor(np.asarray(pending.noise), dtype=torch.float32)
+            frame = pending.frame(robot, index, preparer, self.frame_noise, self.clock, report)
         except InputError as e:
             self.stats.count("bad_observations")
             self.stats.count_robot(robot, "bad_observations")
@@ -431,7 +377,7 @@ class Engine:
             self._fault(robot, index, f"preparing the frame failed: {type(e).__name__}: {e}", report)
             return None
         self._frame_listeners(index, pending.obs)
-        return Frame(robot, index, preparer, prepared, noise, pending.deadline, pending.obs.prompt)
+        return frame
 
     def _fault(self, robot: str, index: int, message: str, report: CycleReport) -> None:
         self._consecutive_faults += 1

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from oxygen_ros.model.checkpoint import check_weights, init_random_weights, load_pi05
+from oxygen_ros.model.checkpoint import check_weights, init_random_weights, lerobot_policy, load_pi05
 from oxygen_ros.model.config import Pi05Config, load_config, preset
 from oxygen_ros.model.files import present
 from oxygen_ros.model.pi05 import Pi05
@@ -84,7 +84,10 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
     preparers = {name: robot_preparer(cfg, tok, io_cfg, norm_sources["norm_stats"][name],
                                       norm_sources["asset_id"][name], state_in_prompt, checkpoint)
                  for name, io_cfg in robots.items()}
-    return Engine(make_runner(net, pool, backend), preparers, tok, engine or EngineConfig())
+    # A pi052 checkpoint's prompt format: hierarchy "auto" serves its recipe (tasks/hierarchy.py).
+    lerobot = lerobot_policy(checkpoint) if checkpoint else None
+    return Engine(make_runner(net, pool, backend), preparers, tok, engine or EngineConfig(),
+                  text_format=lerobot.pi052 if lerobot else None)
 
 
 def file_problems(cfg: Pi05Config, *, checkpoint: str | None = None, tokenizer: str | None = None,

@@ -64,9 +64,12 @@ class FramePreparer:
             raise InputError("observation has no valid camera image")
         return self._with_prompt(torch.stack(images), float(stamp), state, inputs.state_normalized, obs.prompt)
 
-    def retokenize(self, frame: PreparedFrame, task: str) -> PreparedFrame:
-        """Same images and state, another task text (π0.5 subtask mode)."""
-        return self._with_prompt(frame.row.images, frame.stamp, frame.state, frame.model_state, task)
+    def reprompt(self, frame: PreparedFrame, prompt: str) -> PreparedFrame:
+        """Same images and state, the prompt `prompt` exactly (BOS + its tokens: a pi052 format's prompt)."""
+        tokens = self.tokenizer.encode(prompt, bos=True)
+        n = self.cfg.max_token_len
+        return PreparedFrame(PrefixRow(frame.row.images, torch.tensor(tokens[:n], dtype=torch.long)), frame.stamp,
+                             max(0, len(tokens) - n), frame.state, frame.model_state)
 
     def _with_prompt(self, pixels, stamp, state, model_state, task: str) -> PreparedFrame:
         prompt = self.tokenizer.action_prompt(task, model_state if self.state_in_prompt else None,
@@ -77,7 +80,3 @@ class FramePreparer:
     def robot_actions(self, model_actions: np.ndarray, frame: PreparedFrame) -> np.ndarray:
         """[H, action_dim] model space -> [H, robot_action_dim] robot units."""
         return self.io.robot_actions(model_actions, frame.state)                 # policy output transform
-
-    def prompt_tokens(self, text: str) -> list[int]:
-        """BOS + text (subtask prompts)."""
-        return [self.tokenizer.bos_id] + self.tokenizer.encode(text)

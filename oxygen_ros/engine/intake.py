@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
+import torch
 
 from oxygen_ros.robot.errors import InputError
 
@@ -53,6 +54,23 @@ class Pending:
     prepared: PreparedFrame | None = None       # made by the preparer thread (None: prepare inline)
     error: InputError | None = None             # the preparer thread rejected it (counted by the cycle)
     prepare_s: float = 0.0                      # what the preparation cost (either thread)
+
+    def frame(self, robot: str, index: int, preparer: FramePreparer, frame_noise: Callable[[int], torch.Tensor],
+              clock: Callable[[], float], report) -> Frame:
+        """Its robot's frame of a cycle: the inputs made ahead (counted in the cycle's `report`), else made
+        here (timed into it); its noise, else the frame's own. Raises InputError for a bad observation."""
+        if self.error is not None:
+            raise self.error
+        if self.prepared is not None:
+            prepared = self.prepared
+            report.prepared_ahead += 1
+        else:
+            t = clock()
+            prepared = preparer.prepare(self.obs)
+            report.prepare_s += clock() - t
+        noise = frame_noise(index) if self.noise is None else \
+            torch.as_tensor(np.asarray(self.noise), dtype=torch.float32)
+        return Frame(robot, index, preparer, prepared, noise, self.deadline, self.obs.prompt)
 
 
 class Intake:

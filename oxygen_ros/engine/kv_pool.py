@@ -50,6 +50,11 @@ class KVPool:
     def occupancy(self) -> float:
         return self.blocks.num_used / self.blocks.num_blocks
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block `dst` gets `src`'s K/V in every layer (copy on write of a shared, partly filled block)."""
+        self.kv.k[:, dst] = self.kv.k[:, src]
+        self.kv.v[:, dst] = self.kv.v[:, src]
+
 
 @dataclass(eq=False)
 class FrameCache:
@@ -76,6 +81,22 @@ class FrameCache:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+    def fork(self, extra_tokens: int) -> "FrameCache":
+        """A new handle over this prefix followed by room for `extra_tokens` more (a causal span the caller
+        writes, e.g. pi052's joint subtask span that the actions read): the full blocks are shared (one more
+        reference each), a partly filled last block is copied on write, the rest is fresh. Its segment
+        already has the final length; releasing it drops every block it holds once."""
+        blocks, size = self.pool.blocks, self.pool.block_size
+        full, tail = divmod(self.segment.length, size)
+        shared = self.segment.blocks[:full]
+        fresh = blocks.allocate(blocks.blocks_for(self.segment.length + extra_tokens) - full)
+        if shared:
+            blocks.incref(shared)
+        if tail:
+            self.pool.copy_block(self.segment.blocks[full], fresh[0])
+        return FrameCache(self.pool, Segment(shared + fresh, self.segment.length + extra_tokens), self.frame_index,
+                          self.stamp, self.last_hidden)
 
     def release(self) -> None:
         if self._holders <= 0:

@@ -196,6 +196,25 @@ class ModelRunner:
             cached.append(CachedRow(n_new=len(r.tokens), own=Segment(r.blocks, total), prefix=r.prefix))
         return self._forward(cached, [t for r in rows for t in r.tokens])
 
+    @torch.inference_mode()
+    def extend_spans(self, frames: list[FrameCache], spans: list[list[int]]) -> list[FrameCache]:
+        """Each frame's prefix continued by a causal span of tokens (pi052's joint subtask span) in one batched
+        forward: a new handle per frame (`FrameCache.fork`: the prefix shared, its partly filled last block
+        copied on write) whose segment is the prefix plus the span, for the actions to read. The caller holds
+        the new handles; on an exception they are released here."""
+        forks: list[FrameCache] = []
+        try:
+            for f, span in zip(frames, spans):
+                forks.append(f.fork(len(span)))
+            rows = [CachedRow(n_new=len(span), own=fork.segment) for fork, span in zip(forks, spans)]
+            self.model.extend(torch.tensor([t for span in spans for t in span], dtype=torch.long),
+                              CachedAttention(self.pool.kv, rows, self.backend, self.model.device))
+        except BaseException:
+            for fork in forks:
+                fork.release()
+            raise
+        return forks
+
     def _forward(self, rows: list[CachedRow], tokens: list[int]) -> torch.Tensor:
         step = self.graphs.decode_step_for(rows) if self.graphs is not None else None
         if step is not None:

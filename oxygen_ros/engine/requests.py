@@ -42,7 +42,8 @@ class Sampling:
 @dataclass(frozen=True)
 class TextRequest:
     """What a caller asks. kind: "conversation" (a question about the current scene) or "memory" (a scene
-    caption). `owner` names who asked (a robot, a client): carried through for per-owner scheduling."""
+    caption); the engine's own hierarchical-language requests are "subtask", "progress" and "interjection".
+    `owner` names who asked (a robot, a client): carried through for per-owner scheduling."""
 
     text: str
     max_tokens: int = 32
@@ -87,6 +88,9 @@ class RequestHandle:
         self._stream: queue.SimpleQueue = queue.SimpleQueue()
         self._callbacks: list[Callable[[Reply], None]] = []
         self._lock = threading.Lock()
+        # The engine's own bookkeeping of the reply (a robot's plan after an interjection), applied before
+        # anyone waiting for the reply wakes: the engine's state is never behind a reply its caller holds.
+        self._settle: Callable[[Reply], None] | None = None
 
     # -- caller side
     def cancel(self) -> None:
@@ -142,6 +146,8 @@ class RequestHandle:
                 return
             self._reply = reply
             callbacks, self._callbacks = self._callbacks, []
+        if self._settle is not None:
+            _run_callback(self._settle, reply, self.id)
         self._stream.put(None)
         self._done.set()
         for fn in callbacks:
@@ -182,6 +188,9 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     own_len: int = 0                       # tokens of this sequence stored in its own blocks
     text: str = ""
+    own_prefix: list[int] | None = None    # its own prefix prompt over its frame's images (pi052's default
+                                           # recipe: a text request is a prefill of its own), else None
+    masked: tuple[tuple[int, int], ...] = ()   # token id ranges never sampled (pi052: FAST codes, <loc>)
 
     @property
     def request(self) -> TextRequest:

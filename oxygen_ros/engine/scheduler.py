@@ -26,6 +26,7 @@ import itertools
 import logging
 import math
 import threading
+from dataclasses import replace
 from typing import Callable, Mapping
 
 import numpy as np
@@ -45,6 +46,7 @@ from .stats import EngineStats
 log = logging.getLogger("oxygen_ros.engine")
 
 KINDS = ("conversation", "memory")
+HIERARCHY_KINDS = ("subtask", "progress", "interjection")     # the engine's own requests (tasks/hierarchy.py)
 # Kept free before a cycle's deadline when its prefill is planned: the fitted coefficients carry rounding
 # error (~1e-16 s a token), and a plan that fills the time exactly must not end a femtosecond late.
 PLAN_MARGIN_S = 1e-6
@@ -208,6 +210,7 @@ class Scheduler:
         self.reserve_blocks = reserve_blocks          # kept free for the next cycle's prefills
         # isolated policy: each request also prefills its own copy of the frame
         self.request_prefix_blocks = prefix_blocks if config.policy == "isolated" else 0
+        self.prefix_blocks = prefix_blocks            # a frame's prefix at most (a request's own prefill)
         self.budget = LanguageBudget(config.decode_budget, config.tokens_per_frame, config.min_tokens_per_frame,
                                      config.prefill_chunk_tokens)
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -218,25 +221,36 @@ class Scheduler:
         self._gone: dict[str, str] = {}                 # robots removed: their running requests end at expire
 
     # ------------------------------------------------------------------ any thread
-    def submit(self, request: TextRequest) -> RequestHandle:
+    def submit(self, request: TextRequest, *, question: list[int] | None = None, own_prefix: list[int] | None = None,
+               masked: tuple[tuple[int, int], ...] = (), settle=None) -> RequestHandle:
         """Validate and queue. Whatever cannot be served comes back already finished (finish_reason
-        "refused", the reason in `error`): invalid, never fitting the pool, queue full, engine closed."""
+        "refused", the reason in `error`): invalid, never fitting the pool, queue full, engine closed.
+        The engine's own requests (HIERARCHY_KINDS) come with their tokens made: `question` after the frame's
+        prefix, or `own_prefix`, a prompt prefilled over the frame's images; `masked` id ranges are never
+        sampled; `settle(reply)` runs before the reply is handed out."""
         now = self.clock()
         try:
-            question, request = self._validate(request)
+            if question is None and own_prefix is None:
+                question, request = self._validate(request)
+            elif request.kind not in HIERARCHY_KINDS:
+                raise ValueError(f"an engine request's kind must be one of {HIERARCHY_KINDS}, got {request.kind!r}")
+            else:
+                request = replace(request, owner=self._owner(request.owner))
         except (InputError, ValueError, TypeError) as e:
             self.stats.count("refused_invalid")
             return refused(request, str(e), now)
-        need = self.own_blocks(len(question), request.max_tokens)
+        question = question or []
+        need = self.own_blocks(len(question), request.max_tokens) + (self.prefix_blocks if own_prefix else 0)
         # Admission happens while the current frame holds its prefix and must leave the next one's free.
         if need + self.request_prefix_blocks + 2 * self.reserve_blocks > self.blocks.num_blocks:
             self.stats.count("refused_invalid")
             return refused(request, f"can never fit: needs {need} KV blocks beside 2 x {self.reserve_blocks} for "
                                     f"frames, the pool has {self.blocks.num_blocks}", now)
         handle = RequestHandle(request, now)
+        handle._settle = settle
         seq = Sequence(handle, question, None, (), math.nan,
                        torch.Generator().manual_seed(request.sampling.seed) if request.sampling.temperature > 0
-                       else None, StopMatcher(request.stop))
+                       else None, StopMatcher(request.stop), own_prefix=own_prefix, masked=tuple(masked))
         with self._lock:
             if self.closed:
                 return refused(request, self.closed, now)
@@ -298,7 +312,6 @@ class Scheduler:
                 raise ValueError(f"stop strings must be text of at most {c.max_stop_chars} characters, got "
                                  f"{type(s).__name__} of length {len(s) if isinstance(s, str) else '?'}")
         if text != r.text or isinstance(r.stop, list) or owner != r.owner:
-            from dataclasses import replace
             r = replace(r, text=text, stop=tuple(r.stop), owner=owner)
         return self.tokenizer.encode(c.question_template.format(text=text)), r
 
@@ -367,13 +380,15 @@ class Scheduler:
         elif now - seq.handle.submitted_at > seq.request.timeout_s:
             self.finish(seq, "timeout", f"timed out after {seq.request.timeout_s:g} s{where}")
 
-    def admit(self, frames: Mapping[str, object], attach: Callable[[object], FrameCache]) -> list[Sequence]:
+    def admit(self, frames: Mapping[str, object], attach: Callable[[object, Sequence], FrameCache],
+              may_prefill: Callable[[], bool] = lambda: True) -> list[Sequence]:
         """Attach waiting sequences to their owner's frame ({robot: frame} of this cycle) while there is
         room: the batch cap, and KV blocks beyond the reserve. Owners take turns (round-robin, starting
         after the owner served last); within an owner, first come first served. One that does not fit now
         stays queued without blocking smaller ones behind it (none waits for ever: what can never fit was
         refused at submit, and timeouts are bounded). `attach(frame)` gives a sequence its frame reference
-        (a retain, or its own prefill)."""
+        (a retain, or its own prefill); a request with a prefix prompt of its own is admitted only when
+        `may_prefill` (its prefill fits the cycle's language time)."""
         admitted: list[Sequence] = []
         with self._lock:
             candidates = list(self.waiting)
@@ -384,8 +399,11 @@ class Scheduler:
             if seq.handle.cancelled:
                 self.finish(seq, "cancelled", "cancelled before admission")
                 continue
+            if seq.own_prefix is not None and not may_prefill():
+                continue
             need = self.own_blocks(len(seq.question), seq.request.max_tokens)
-            if self.blocks.num_free - need - self.request_prefix_blocks < self.reserve_blocks:
+            prefix = self.prefix_blocks if seq.own_prefix is not None else self.request_prefix_blocks
+            if self.blocks.num_free - need - prefix < self.reserve_blocks:
                 waited = True                            # back-pressure: it stays queued
                 continue
             with self._lock:
@@ -397,7 +415,7 @@ class Scheduler:
             self._last_owner = seq.request.owner
             try:
                 seq.blocks = self.blocks.allocate(need)
-                seq.frame = attach(frames[seq.request.owner])
+                seq.frame = attach(frames[seq.request.owner], seq)
             except Exception as e:  # noqa: BLE001 - e.g. a failed isolated prefill: this request only
                 self.finish(seq, "error", f"could not admit: {e}")
                 continue
@@ -447,6 +465,11 @@ class Scheduler:
             seqs, logits = [seqs[i] for i in rows], logits[rows]
         if not seqs:
             return 0
+        if any(seq.masked for seq in seqs):
+            logits = logits.clone()                 # the forward's output may be an inference-mode tensor
+            for i, seq in enumerate(seqs):
+                for lo, hi in seq.masked:
+                    logits[i, lo:hi] = -math.inf
         s = [seq.request.sampling for seq in seqs]
         tokens, ok = sample(logits, [x.temperature for x in s], [x.top_p for x in s], [q.generator for q in seqs])
         produced = 0

@@ -2,8 +2,9 @@
 each robot's frame once and calls them in this order, each reading the frame through the same handle
 (`cycle.Frame.cache`):
 
-- `subtask`      (π0.5 subtask mode, optional) conditions the frame's action prompt on a generated subtask
-                 text; it runs before the prefill because it changes the prompt;
+- `hierarchy`    (hierarchical π0.5, pi052 formats) writes each frame's prompt with its robot's newest subtask
+                 (before the prefill) and, in the joint format, the causal subtask span the actions read
+                 (after it); its texts (subtask, progress memory, interjection) are language requests;
 - `actions`      denoises every frame's action chunk (first, so that it meets its deadline) and delivers it;
 - `captions`     asks for a scene caption of a delivered frame when one is due (the robot's memory);
 - `conversation` admits language requests onto the cycle's frames and decodes all running ones together,
@@ -12,6 +13,7 @@ each robot's frame once and calls them in this order, each reading the frame thr
 from .actions import ActionsTask, ChunkResult
 from .captions import Caption, CaptionsTask
 from .conversation import ConversationTask
-from .subtask import SubtaskTask
+from .hierarchy import HierarchyTask, LanguageUpdate
 
-__all__ = ["ActionsTask", "CaptionsTask", "ConversationTask", "SubtaskTask", "ChunkResult", "Caption"]
+__all__ = ["ActionsTask", "CaptionsTask", "ConversationTask", "HierarchyTask", "ChunkResult", "Caption",
+           "LanguageUpdate"]

@@ -54,6 +54,7 @@ class ChunkResult:
     prompt_truncated: int          # prompt tokens cut to fit the model's max_token_len
     robot: str = ""                # whose chunk (listeners get every robot's chunks)
     rtc_delay_rows: int | None = None   # RTC: the delay it was guided with (None: plain denoising)
+    subtask: str = ""              # the subtask text that conditioned it (hierarchy; "" when none)
 
 
 PREFIX_UNTRAINED = ("rtc_correction 'prefix' needs a checkpoint trained with prefix conditioning (its config.json "
@@ -96,7 +97,8 @@ class ActionsTask:
         guided = [self._guide(f, start) if c.rtc else (None, None) for f in frames]
         rtc_args = dict(guides=[guide for guide, _ in guided], max_guidance=c.rtc_max_guidance,
                         correction=c.rtc_correction) if c.rtc else {}
-        results = self.runner.actions([f.cache for f in frames], noise, c.denoise_steps, **rtc_args)
+        caches = [f.action_cache or f.cache for f in frames]       # the joint format's: prefix + subtask span
+        results = self.runner.actions(caches, noise, c.denoise_steps, **rtc_args)
         for f, actions, (_, delay) in zip(frames, results, guided):
             if isinstance(actions, EngineFault):
                 faults.append((f, str(actions)))
@@ -110,7 +112,8 @@ class ActionsTask:
     def _chunk(self, f: Frame, model_actions: np.ndarray, start: float, delay: int | None) -> ChunkResult:
         robot_actions = f.preparer.robot_actions(model_actions, f.prepared)
         plan = ActionChunkPlan(robot_actions, f.prepared.stamp, self._step_s(f), f.index)
-        return ChunkResult(plan, model_actions, self.clock() - start, f.prepared.prompt_truncated, f.robot, delay)
+        return ChunkResult(plan, model_actions, self.clock() - start, f.prepared.prompt_truncated, f.robot, delay,
+                           f.subtask)
 
     def _step_s(self, f: Frame) -> float:
         # Rows are one control period apart (the rate the checkpoint was trained at); 0: one per publish tick.

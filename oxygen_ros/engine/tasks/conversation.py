@@ -11,6 +11,13 @@ next step boundary once the budget's minimum is done (deadline budget; a cycle w
 once): actions first, at the camera's rate, and language gets the time that is left, and always some. The
 scheduler decides how much (`LanguageBudget`); this task runs it.
 
+A request with a prefix prompt of its own (pi052's default recipe: a text is images + its messages,
+bidirectional) is prefilled when admitted, only while the cycle's time allows its measured cost.
+
+Frames for waiting requests: a robot's newest frame is held while its requests wait (`_hold`); a robot with
+questions waiting and no frame for over a camera interval gets its last delivered frame again (`reusable`);
+a robot that never sent one has its questions refused after FIRST_FRAME_WAIT_S.
+
 The other policies exist for side-by-side runs: `isolated` (openpi-style: each request prefills its own
 copy of the frame, then its whole question, then is decoded to completion inside the frame) and
 `shared_kv` (one prefill; replies still prefilled whole and decoded to completion inside the frame).
@@ -19,10 +26,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Mapping
+
+import torch
+
+from oxygen_ros.model.pi05 import PrefixRow
 
 from ..config import EngineConfig
 from ..cycle import CycleReport, Frame
+from ..intake import FIRST_FRAME_WAIT_S, Intake
 from ..kv_pool import FrameCache
 from ..model_runner import ModelRunner, TextRow
 from ..requests import Sequence
@@ -38,6 +50,7 @@ class ConversationTask:
         self.runner, self.scheduler, self.config, self.stats = runner, scheduler, config, stats
         self.clock, self.frame_waiting = clock, frame_waiting
         self.held: dict[str, Frame] = {}     # robot -> its newest frame, held for its waiting requests (_hold)
+        self.own_prefill_s = 0.0             # measured cost of a request's own prefill (moving average)
 
     def run(self, frames: dict[str, Frame], report: CycleReport, deadline: float) -> None:
         """This cycle's language work: admission onto `frames` ({robot: frame}, possibly none) and onto the
@@ -46,7 +59,7 @@ class ConversationTask:
         done (decode_budget deadline; a cycle without a frame stops at once)."""
         sched = self.scheduler
         t = self.clock()
-        admitted = self._admit(frames, report) if frames or self.held else []
+        admitted = self._admit(frames, report, deadline) if frames or self.held else []
         if self.config.policy != "oxygen":
             self._to_completion(admitted, report, t)
             return
@@ -81,20 +94,29 @@ class ConversationTask:
                 self._decode_step([seq], report)
         report.decode_s = self.clock() - t
 
-    def _attach(self, frame: Frame) -> FrameCache:
-        """A request's reference to its frame's KV: the same blocks (retain), or in the isolated policy a
-        prefill of its own (openpi-style)."""
+    def _attach(self, frame: Frame, seq: Sequence) -> FrameCache:
+        """A request's reference to its frame's KV: the same blocks (retain), or a prefill of its own: its own
+        prefix prompt over the frame's images, or in the isolated policy the frame's (openpi-style)."""
+        if seq.own_prefix is not None:
+            t = self.clock()
+            own = self.runner.prefill_one(PrefixRow(frame.prepared.row.images,
+                                                    torch.tensor(seq.own_prefix, dtype=torch.long)),
+                                          frame.index, frame.prepared.stamp)
+            spent = self.clock() - t
+            self.own_prefill_s += (spent - self.own_prefill_s) * (0.3 if self.own_prefill_s else 1.0)
+            return own
         if self.config.policy == "isolated":
             return self.runner.prefill_one(frame.prepared.row, frame.index, frame.prepared.stamp)
         return frame.cache.retain()
 
-    def _admit(self, frames: dict[str, Frame], report: CycleReport) -> list[Sequence]:
+    def _admit(self, frames: dict[str, Frame], report: CycleReport, deadline: float) -> list[Sequence]:
         """Admit what fits, each request onto its owner's frame (this cycle's, else the one held for it); a
         request without a question gets its first token from the frame's last position at once. Then hold
         the newest frame of each robot that still has requests waiting (see `_hold`)."""
         for robot in [r for r in self.held if r in frames or r not in self.scheduler.robots]:
             self.held.pop(robot).cache.release()           # a newer frame came, or the robot left
-        admitted = self.scheduler.admit({**self.held, **frames}, self._attach)
+        admitted = self.scheduler.admit({**self.held, **frames}, self._attach,
+                                        lambda: self.clock() + self.own_prefill_s <= deadline)
         report.admitted += len(admitted)
         for s in [s for s in admitted if not s.question]:
             report.tokens += self.scheduler.postprocess([s], [0], self.runner.frame_logits(s.frame))
@@ -115,6 +137,41 @@ class ConversationTask:
             if robot in waiting and robot not in self.held and frame.cache is not None \
                     and self.runner.pool.blocks.num_free >= self.scheduler.reserve_blocks:
                 self.held[robot] = replace(frame, cache=frame.cache.retain())
+
+    def reuse(self, framed: set[str], intake: Intake, chunk_periods: Mapping[str, float], prefix_blocks: int,
+              prefill: Callable[[list[Frame], list], list[Frame]]) -> list[Frame]:
+        """Questions must not wait for a frame that may never come (a paused camera; a client that waits for
+        its reply before it sends its next observation). For each robot with questions waiting, no frame
+        this cycle and none held for them, and no newer frame on its way: its last delivered frame again,
+        prefilled in one forward (`prefill`: the engine's, held by its cycle), without a chunk: it is not a new
+        observation, and a chunk planned from an old state must not reach the robot. Only while the pool keeps
+        the next cycle's reserve beside them. A robot that never delivered a frame: its own questions waiting longer than FIRST_FRAME_WAIT_S
+        end with an error at once instead of at their timeout (no other robot's)."""
+        now, blocks = self.clock(), self.runner.pool.blocks
+        reused: list[Frame] = []
+        for robot in sorted(self.scheduler.waiting_owners() - framed - set(self.held)):
+            if robot not in chunk_periods:
+                continue
+            if intake.never_framed(robot):
+                whose = f"robot {robot!r}" if robot else "the robot"
+                self.scheduler.fail_waiting(robot, now - FIRST_FRAME_WAIT_S, f"no frame yet from {whose} after "
+                                            f"{FIRST_FRAME_WAIT_S:g} s: nothing to answer about")
+            elif (frame := intake.reusable(robot, now, chunk_periods[robot])) is not None and \
+                    blocks.num_free >= self.scheduler.reserve_blocks + (len(reused) + 1) * prefix_blocks:
+                reused.append(frame)
+        faults: list[tuple[Frame, str]] = []
+        try:
+            reused = prefill(reused, faults) if reused else []
+        except Exception as e:  # noqa: BLE001 - as a frame's prefill: the robots' questions wait on, nothing else
+            faults, reused = [(f, f"{type(e).__name__}: {e}") for f in reused], []
+        for f, message in faults:
+            self.stats.count("faults")
+            self.stats.note_error(f"re-used frame {f.index} of robot {f.robot!r}: {message}")
+            log.error("re-used frame %d of robot %r: %s", f.index, f.robot, message)
+        for f in reused:
+            self.stats.count("reused_frames")
+            self.stats.count_robot(f.robot, "reused_frames")
+        return reused
 
     def release_held(self) -> None:
         """Drop every held frame (the engine stops, or its safe stop failed the requests that waited)."""

@@ -1,0 +1,269 @@
+"""Hierarchical language in the engine (issue 38; tasks/hierarchy.py, docs/hierarchy.md): per robot a subtask
+decoded from its frames by the batched decode, the actions conditioned on the newest one without waiting,
+progress memory on a change of subtask, plan and speech on an interjection; the pi052 formats' KV sharing.
+
+Numerics contract: the joint format's actions (the frame's prefix prefilled, its causal subtask span
+extended onto it, copied on write) equal ONE reference forward of prefix + span (model/inference.py) within
+JOINT_TOL (float32; measured max |diff| in the test's message)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ACTION_S, PREFILL_S, SimClock, make_observation, simulate_costs
+from oxygen_ros.engine.requests import Reply
+from oxygen_ros.engine.tasks.hierarchy import LanguageUpdate
+from oxygen_ros.model import inference, pi052
+from oxygen_ros.model.pi05 import PrefixRow
+
+JOINT_TOL = 2e-5
+SPAN_S = 0.004                       # simulated cost of extending the subtask span onto a frame
+H, A = 5, 8
+NOISE = np.random.default_rng(0).standard_normal((H, A)).astype(np.float32)
+
+
+def reference_joint(engine, observation, noise):
+    """The serial reference of a joint-format frame, without the engine: the subtask decoded greedily after
+    the prompt (a fork: "Assistant:"), then ONE forward of images + prompt + the causal span, then the
+    actions. Returns (subtask, model actions)."""
+    model, tok = engine.runner.model, engine.tokenizer
+    prepared = engine.preparer.prepare(observation)
+    prompt = tok.encode(pi052.joint_prompt(observation.prompt, pi052.state_text(prepared.model_state)), bos=True)
+    cache = inference.ContiguousCache(model, 4096)
+    pre = inference.prefill(model, cache, [PrefixRow(prepared.row.images, torch.tensor(prompt))])
+    masked = pi052.Pi052Format(joint=True, fast_skip_tokens=1152).masked_ranges(model.cfg.vocab_size, False)
+    assert masked == []                      # the small vocabulary has no FAST or <loc> ids: greedy is plain
+    ids = inference.greedy_generate(model, cache, pre.segments[0], None, tok.encode("Assistant:"), 128,
+                                    eos_id=tok.eos_id)
+    subtask = " ".join(tok.decode([t for t in ids if t != tok.eos_id]).split()) or observation.prompt
+    span = pi052.joint_span_tokens(tok, subtask)
+    full = inference.prefill(model, cache, [PrefixRow(prepared.row.images, torch.tensor(prompt + span),
+                                                      causal=len(span))])
+    actions = inference.sample_actions(model, cache, full.segments, torch.as_tensor(noise)[None])
+    return subtask, actions[0].numpy()
+
+
+def test_joint_actions_equal_one_forward_of_prefix_and_causal_span(engine_factory, obs):
+    """subtask_sync (the serial reference): the frame's own subtask first, then its actions read the prefix
+    plus the span. Both equal the standalone reference; the span's shared tail block is copied, not written."""
+    engine = engine_factory(hierarchy="joint", subtask_sync=True, subtask_every_chunks=1, subtask_period_s=0.0)
+    writes = []
+    copy_block = engine.runner.pool.copy_block
+    engine.runner.pool.copy_block = lambda s, d: (writes.append((s, d)), copy_block(s, d))[1]
+    for i in range(2):
+        engine.run_cycle(obs(i), NOISE)
+        subtask, actions = reference_joint(engine, obs(i), NOISE)
+        chunk = engine.latest_chunk()
+        assert chunk.subtask == subtask == engine.language_state()["subtask"]
+        assert engine.language_state()["subtask_frame"] == i
+        diff = float(np.abs(chunk.model_actions - actions).max())
+        assert diff <= JOINT_TOL, f"joint actions differ from the one-forward reference by {diff:.2e}"
+    assert writes and all(s != d for s, d in writes)              # the prefix's partly filled block: copied
+    plain = engine_factory(hierarchy="off")
+    plain.run_cycle(obs(1), NOISE)
+    assert not np.allclose(plain.latest_chunk().model_actions, chunk.model_actions)
+    assert plain.latest_chunk().subtask == ""
+    for _ in range(400):                                          # the progress memory requests, frame-less
+        if not (engine.active_requests or engine.queued_requests):
+            break
+        engine.run_cycle()
+    assert engine.runner.pool.blocks.num_used == 0
+
+
+def timed_engine(engine_factory, clock, **cfg):
+    engine = engine_factory(clock=clock, **cfg)
+    simulate_costs(engine, clock)
+    extend_spans = engine.runner.extend_spans
+    engine.runner.extend_spans = lambda *a: (out := extend_spans(*a), clock.advance(SPAN_S))[0]
+    return engine
+
+
+def test_the_chunk_never_waits_for_text(engine_factory, obs):
+    """On a simulated clock: with hierarchy on (async), every chunk costs what it costs with hierarchy off
+    plus the span (prefill + span + actions, whatever the subtask requests running); the language work fits
+    each cycle's deadline; the first chunks use the task (no subtask yet) and later ones the decoded subtask.
+    subtask_sync, the serial reference, makes the due frames' chunks wait for their text."""
+    def run(frames=20, **cfg):
+        clock = SimClock()
+        engine = timed_engine(engine_factory, clock, hierarchy="joint", subtask_period_s=1.0, action_rate_hz=20.0,
+                              **cfg)
+        chunks, reports = [], []
+        engine.add_chunk_listener(chunks.append)
+        for i in range(frames):
+            reports.append(engine.run_cycle(obs(i), NOISE))
+            clock.t = max(clock.t, reports[-1].start + engine.frame_period)
+        return engine, chunks, reports
+
+    engine, chunks, reports = run()
+    assert {round(c.compute_s, 9) for c in chunks} == {round(PREFILL_S + SPAN_S + ACTION_S, 9)}
+    assert not any(r.deadline_missed for r in reports)
+    subtasks = [c.subtask for c in chunks]
+    assert subtasks[0] == "pick up the red cup" and engine.language_state()["subtask"] in subtasks[1:]
+    asked = engine.stats.counter("submitted")
+    assert 3 <= asked <= 20 * engine.frame_period / 1.0 * 2 + 2     # the 1 Hz refresh (and memory), not per frame
+
+    _, serial, _ = run(frames=4, subtask_sync=True)
+    waited = [c.compute_s for c in serial if c.compute_s > PREFILL_S + SPAN_S + ACTION_S + 1e-9]
+    assert waited, "the serial reference must make a due frame's chunk wait for its subtask"
+
+
+def test_each_robot_of_a_fleet_has_its_own_subtask_and_memory(small_model):
+    """Four robots, four tasks: each robot's subtask is the one decoded from its own frame (the serial
+    reference of that frame), its chunks are conditioned on it, its memory is its own request's."""
+    from oxygen_ros.engine.engine import EngineConfig
+    from oxygen_ros.engine.factory import build_engine
+    from oxygen_ros.robot.policy_io import RobotIOConfig
+
+    names = ("a", "b", "c", "d")
+    engine = build_engine(built_model=small_model, kv_budget_mb=16.0,
+                          engine=EngineConfig(hierarchy="joint", subtask_period_s=0.0, subtask_every_chunks=2,
+                                              max_active_requests=8, decode_budget="fixed", tokens_per_frame=128),
+                          robots={n: RobotIOConfig(robot_action_dim=7) for n in names})
+    updates: list[LanguageUpdate] = []
+    engine.add_language_listener(updates.append)
+    frame_obs = {}
+    def cycle(i):
+        batch = {n: make_observation(i, seed=k + 1, prompt=f"task {n} {'x' * k}") for k, n in enumerate(names)}
+        report = engine.run_frames(batch, {n: NOISE for n in names})
+        for k, n in enumerate(report.robots):
+            frame_obs[report.frame_index + k] = batch[n]
+
+    for i in range(30):
+        cycle(i)
+        if all(engine.language_state(n)["memory"] for n in names):
+            break
+    states = {n: engine.language_state(n) for n in names}
+    cycle(30)                                           # chunks conditioned on the states read above
+    for k, n in enumerate(names):
+        state = states[n]
+        assert state["task"] == f"task {n} {'x' * k}"
+        observation = frame_obs[state["subtask_frame"]]
+        assert observation.prompt == state["task"]                   # decoded from its own robot's frame
+        subtask, _ = reference_joint(engine, observation, NOISE)
+        assert state["subtask"] == subtask
+        assert engine.latest_chunk(n).subtask == subtask
+        assert state["memory"] and frame_obs[state["memory_frame"]].prompt == state["task"]
+        assert {u.kind for u in updates if u.robot == n} >= {"subtask", "memory"}
+
+
+class FakeSubmit:
+    """Records the hierarchy task's requests; each answered by hand with `reply`."""
+
+    def __init__(self):
+        self.requests = []
+
+    def __call__(self, request, *, question=None, own_prefix=None, masked=(), settle=None):
+        from oxygen_ros.engine.requests import RequestHandle
+        handle = RequestHandle(request, 0.0)
+        handle._settle = settle
+        self.requests.append((request, question, own_prefix, handle))
+        return handle
+
+    def reply(self, index, text, frame=7):
+        self.requests[index][3]._finish(Reply(True, text, [], "eos", frame_index=frame, frame_stamp=frame * 0.1))
+
+
+def hierarchy_with_fake_submit(engine_factory, **cfg):
+    engine = engine_factory(hierarchy="pi052", subtask_every_chunks=1, subtask_period_s=0.0, **cfg)
+    fake = FakeSubmit()
+    engine.hierarchy.submit = fake
+    return engine, fake
+
+
+def test_memory_is_rewritten_only_when_the_subtask_changes(engine_factory, obs):
+    engine, fake = hierarchy_with_fake_submit(engine_factory)
+    updates = []
+    engine.add_language_listener(updates.append)
+    engine.run_cycle(obs(0))
+    kinds = lambda: [r.kind for r, *_ in fake.requests]          # noqa: E731
+    assert kinds() == ["subtask"]
+    fake.reply(0, " grasp  the cup ")                             # first subtask: memory with no history
+    assert kinds() == ["subtask", "progress"]
+    assert fake.requests[1][2] == engine.tokenizer.encode("User: pick up the red cup\nAssistant:", bos=True)
+    fake.reply(1, "holding nothing yet")
+    engine.run_cycle(obs(1))
+    fake.reply(2, "grasp the cup")                                # the same subtask: no memory request
+    assert kinds() == ["subtask", "progress", "subtask"]
+    engine.run_cycle(obs(2))
+    fake.reply(3, "lift the cup")
+    assert kinds()[-1] == "progress"
+    assert fake.requests[-1][0].text == ("User: pick up the red cup\nAssistant: Previous memory: holding nothing "
+                                         "yet\nUser: Completed subtask: grasp the cup\nAssistant:")
+    assert [(u.kind, u.text) for u in updates] == [("subtask", "grasp the cup"), ("memory", "holding nothing yet"),
+                                                  ("subtask", "lift the cup")]
+    state = engine.language_state()
+    assert (state["subtask"], state["subtask_frame"], state["memory"]) == ("lift the cup", 7, "holding nothing yet")
+    engine.run_cycle(obs(3))                                      # the default recipe: the subtask in the prompt
+    prompt = engine.tokenizer.decode(engine.preparer.reprompt(engine.preparer.prepare(obs(3)), pi052.action_prompt(
+        "lift the cup", pi052.state_text(engine.preparer.prepare(obs(3)).model_state))).row.tokens.tolist())
+    assert prompt.startswith("User: lift the cup, State: ") and engine.latest_chunk().subtask == "lift the cup"
+
+
+def test_an_interjection_sets_plan_and_speech_before_its_reply_is_handed_out(engine_factory, obs):
+    engine, fake = hierarchy_with_fake_submit(engine_factory)
+    refused = engine.interject("wait")
+    assert refused.result(0).finish_reason == "refused" and "no task yet" in refused.result(0).error
+    engine.run_cycle(obs(0))
+    seen = {}
+    handle = engine.interject("put the cup on the left instead")
+    handle.add_done_callback(lambda reply: seen.update(engine.language_state()))
+    request, _, own_prefix, _ = fake.requests[-1]
+    assert request.kind == "interjection"
+    assert engine.tokenizer.decode(own_prefix) == "User: pick up the red cup\nUser: put the cup on the left " \
+                                                  "instead\nAssistant:"
+    fake.reply(len(fake.requests) - 1, "1. move left\n2. place <say>Sure, moving it left.</say>", frame=4)
+    assert (seen["plan"], seen["speech"], seen["plan_frame"]) == ("1. move left\n2. place", "Sure, moving it left.", 4)
+    engine.interject("faster")
+    assert engine.tokenizer.decode(fake.requests[-1][2]).startswith(
+        "User: pick up the red cup\nAssistant: Previous plan:\n1. move left\n2. place\nUser: faster")
+    assert engine.interject("").result(0).finish_reason == "refused"
+    assert "interjections need" in engine_factory().interject("hi").result(0).error
+
+
+def test_an_interjection_is_decoded_by_the_engine(engine_factory, obs):
+    """End to end on the joint format: the reply comes from the batched decode, plan and speech from it."""
+    engine = engine_factory(hierarchy="joint", decode_budget="fixed", tokens_per_frame=40)
+    engine.run_cycle(obs(0))
+    handle = engine.interject("stop")
+    for i in range(1, 10):
+        if handle.done():
+            break
+        engine.run_cycle(obs(i))
+    reply = handle.result(0)
+    plan, _ = pi052.split_plan_and_say(reply.text)
+    assert reply.success and engine.language_state()["plan"] == plan.strip() and plan
+    assert engine.language_state()["plan_frame"] == reply.frame_index >= 1
+
+
+def test_default_format_prefills_each_text_once_per_refresh(engine_factory, obs):
+    """pi052's default recipe: a subtask request prefills images + "User: {task}\\nAssistant:" of its own, once
+    per refresh (not per frame), after the frame's chunk; the frame's prompt then carries the subtask."""
+    clock = SimClock()
+    engine = timed_engine(engine_factory, clock, hierarchy="pi052", subtask_period_s=0.5, progress_memory=False,
+                          action_rate_hz=20.0)
+    rows = []
+    prefill = engine.runner.prefill
+    engine.runner.prefill = lambda r, *a: (rows.append([x.tokens.tolist() for x in r]), prefill(r, *a))[1]
+    chunks = []
+    engine.add_chunk_listener(chunks.append)
+    for i in range(20):
+        start = clock.t
+        engine.run_cycle(obs(i), NOISE)
+        clock.t = max(clock.t, start + engine.frame_period)
+    ask = engine.tokenizer.encode("User: pick up the red cup\nAssistant:", bos=True)
+    own = [r for (r,) in rows if r == ask]
+    assert 2 <= len(own) <= 20 * engine.frame_period / 0.5 + 1
+    assert {round(c.compute_s, 9) for c in chunks} == {round(PREFILL_S + ACTION_S, 9)}
+    (last,) = [r for (r,) in rows if r != ask][-1:]                 # the last frame's prompt: its subtask's
+    state = pi052.state_text(engine.preparer.prepare(obs(19)).model_state)
+    assert last == engine.tokenizer.encode(pi052.action_prompt(chunks[-1].subtask, state), bos=True)[:48]
+    assert chunks[-1].subtask != "pick up the red cup"                # a decoded subtask, not the fallback
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), 1e9])
+def test_bad_interjection_timeouts_are_refused_in_one_line(engine_factory, obs, bad):
+    engine = engine_factory(hierarchy="joint")
+    engine.run_cycle(obs(0))
+    reply = engine.interject("stop", timeout_s=bad).result(0)
+    assert reply.finish_reason == "refused" and "timeout_s" in reply.error and "\n" not in reply.error
