@@ -386,3 +386,62 @@ def test_no_connection_dims_what_is_stale_and_the_stop_is_quiet(console):
         "return getComputedStyle(document.getElementById('figures')).opacity")) < 0.5
     assert text(driver, "status-faults") == "0"          # the last figures received, still there
     assert "Traceback" not in out
+
+
+HIERARCHY_PARAMS = """
+oxygen_engine:
+  ros__parameters:
+    hierarchy: joint            # the demo model serves the joint recipe (its texts are untrained: any text)
+    subtask_period_s: 0.5
+"""
+
+
+def test_the_hierarchys_language_is_shown_live_and_an_interjection_is_answered(tmp_path):
+    """The page shows the robot's subtask (what /oxygen/subtask publishes, with its frame) as it changes;
+    an interjection typed on the page goes through /oxygen/interject and its plan appears on the page."""
+    from oxygen_interfaces.msg import LanguageUpdate
+    from oxygen_ros.nodes.language import qos_for
+
+    port = free_port()
+    params = tmp_path / "hierarchy.yaml"
+    params.write_text(HIERARCHY_PARAMS)
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in CHROME_FLAGS + [f"--user-data-dir={tmp_path / 'chromium'}"]:
+        options.add_argument(flag)
+    with running_bringup(["--demo", "--console", str(port), "--params-file", str(params), "--status-period", "0"],
+                         private_domain(42), "console_hierarchy_test",
+                         ready=f"console on http://127.0.0.1:{port}/") as (bringup, client):
+        assert bringup.wait_for_line(f"http://127.0.0.1:{port}/?token=", 10), bringup.output()
+        token = re.search(rf"http://127\.0\.0\.1:{port}/\?token=([\w-]+)", bringup.output()).group(1)
+        subtasks = client.collect(LanguageUpdate, "/oxygen/subtask", qos_for("subtask"))
+        plans = client.collect(LanguageUpdate, "/oxygen/plan", qos_for("plan"))
+        driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+        try:
+            driver.get(f"http://127.0.0.1:{port}/?token={token}")
+            wait = WebDriverWait(driver, 90, poll_frequency=0.2)
+            wait.until(lambda d: text(d, "lifecycle") == "active")
+            assert wait_until(lambda: subtasks, 90), bringup.output()[-3000:]
+            published = {(m.text, m.frame_index) for _, m in subtasks}
+            # What the page shows is one of the published subtasks, with the frame it came from.
+            wait.until(lambda d: (text(d, "lang-subtask"), int(text(d, "lang-subtask-frame").split()[-1] or -1)
+                                  if text(d, "lang-subtask-frame") else None) in
+                       ({(m.text, m.frame_index) for _, m in subtasks} | published))
+            driver.find_element(By.ID, "interject-input").send_keys("first the red cube")
+            driver.find_element(By.CSS_SELECTOR, "#interject-form button").click()
+            wait.until(lambda d: text(d, "interject-message").startswith(("answered from frame", "(")))
+            message = text(driver, "interject-message")
+            answered = re.match(r'answered from frame (\d+): (?:plan "(.*)"|no plan)', message)
+            assert answered, message
+            frame, plan = int(answered.group(1)), answered.group(2)
+            if plan:      # published (latched) and shown with its frame
+                assert wait_until(lambda: plans, 30), (message, bringup.output()[-2000:])
+                assert (plans[-1][1].text, plans[-1][1].frame_index) == (plan, frame)
+                wait.until(lambda d: text(d, "lang-plan-frame") == f"frame {frame}")
+                assert text(driver, "lang-plan") == plan
+            else:         # the untrained demo may answer nothing: no plan published, none shown
+                time.sleep(1.0)
+                assert not plans and text(driver, "lang-plan") == "(none yet)"
+        finally:
+            driver.quit()
+        assert "Traceback" not in bringup.output()

@@ -66,7 +66,8 @@ def publisher(ros, engine_factory):
 def chunk(stamp_s: float, frame: int, horizon: int = 10, dim: int = 7, start: float = 0.0) -> SimpleNamespace:
     """What the engine hands the publisher: row k = start + 0.01 * (k + 1) in every dimension."""
     rows = start + 0.01 * np.arange(1, horizon + 1)[:, None] * np.ones((1, dim))
-    return SimpleNamespace(plan=ActionChunkPlan(rows, stamp_s, DT, frame), compute_s=0.01, rtc_delay_rows=None)
+    return SimpleNamespace(plan=ActionChunkPlan(rows, stamp_s, DT, frame), compute_s=0.01, rtc_delay_rows=None,
+                           subtask="")
 
 
 def tick_at(node, t: float):
@@ -199,7 +200,8 @@ def test_pose_output_converts_the_rotation(publisher):
     rows = np.zeros((10, 7))
     rows[:, :3] = [0.3, -0.2, 0.5]
     rows[:, 5] = math.pi / 2                                          # yaw 90 degrees
-    node._on_chunk(SimpleNamespace(plan=ActionChunkPlan(rows, 100.0, DT, 1), compute_s=0.01, rtc_delay_rows=None))
+    node._on_chunk(SimpleNamespace(plan=ActionChunkPlan(rows, 100.0, DT, 1), compute_s=0.01, rtc_delay_rows=None,
+                                   subtask=""))
     (msg,) = tick_at(node, 100.0)
     assert isinstance(msg, PoseStamped)
     p, q = msg.pose.position, msg.pose.orientation

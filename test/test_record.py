@@ -604,3 +604,58 @@ def test_replay_from_a_directory_of_untrusted_files_runs_none_of_them(tmp_path):
         r = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
         assert not marker.exists(), f"{command}: ran {marker.read_text()}"
         assert r.returncode == 2 and "has 5 values for horizon 1000 x dim 1000" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_hierarchical_recording_replays_its_subtasks_and_progress(tmp_path):
+    """The hierarchy on (joint format, each subtask decoded on its frame, serially: a run replay can repeat):
+    the recording holds every subtask and progress memory on its topic with the frame it came from, and each
+    chunk the subtask it was conditioned on; replay computes them again, identical, and notices a recorded
+    subtask or progress memory that differs."""
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.parameter import Parameter
+
+    from conftest import make_observation
+    from oxygen_interfaces.msg import LanguageUpdate
+    from oxygen_ros.record.recorder import Recorder
+    from oxygen_ros.record.replay import build_engine
+
+    params = {"model": "tiny", "torch_threads": 1, "hierarchy": "joint", "subtask_sync": True,
+              "subtask_period_s": 0.0, "subtask_every_chunks": 2, "progress_memory": True}
+    engine = build_engine(params)
+    context = Context()
+    rclpy.init(context=context)
+    recorder = Recorder(engine, dict(TINY, engine_params=params), {}, [f"j{i}" for i in range(7)], context=context,
+                        parameter_overrides=[Parameter("path", value=str(tmp_path))])
+    try:
+        for i in range(5):
+            engine.run_cycle(make_observation(i, prompt="stack the cups"))
+        for _ in range(400):                          # the progress memory asked on the last change: decoded
+            if not engine.active_requests and not engine.queued_requests:
+                break
+            engine.run_cycle(None)
+    finally:
+        recorder.close()
+        recorder.destroy_node()
+        rclpy.shutdown(context=context)
+    topics = collections.Counter(topic for path in tmp_path.glob("*.mcap") for topic, _, _ in read_file(path).messages)
+    assert topics["/oxygen/subtask"] >= 1 and topics["/oxygen/action_chunk"] == 5, topics
+    rec = read_recording([str(tmp_path)])
+    subtasks = [(f.index, text) for f in rec.frames for kind, text in f.language if kind == "subtask"]
+    assert subtasks and subtasks[0][0] == rec.frames[0].index         # due at once: decoded on the first frame
+    assert rec.frames[0].subtask == subtasks[0][1]                     # and its chunk was conditioned on it
+    memories = [text for f in rec.frames for kind, text in f.language if kind == "memory"]
+    report = replay(rec)
+    assert report["identical"], (summary(report), report["language_different"])
+    assert report["chunks_identical"] == 5 and report["language"] == len(subtasks) + len(memories)
+    assert report["language_identical"] == report["language"]
+
+    rec = read_recording([str(tmp_path)])
+    frame = next(f for f in rec.frames if f.language)
+    frame.language[0] = (frame.language[0][0], frame.language[0][1] + " again")
+    rec.frames[1].subtask += " (not what conditioned it)"
+    report = replay(rec)
+    assert not report["identical"]
+    assert [d["frame"] for d in report["language_different"]] == [frame.index], summary(report)
+    assert [d["frame"] for d in report["chunks_different"]] == [rec.frames[1].index]
+    assert report["chunks_different"][0]["max_abs_diff"] == 0.0       # the actions are the same: the subtask is not

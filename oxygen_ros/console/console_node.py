@@ -6,7 +6,9 @@ callbacks below).
     GET  /picture/<name>    newest JPEG: `overlay` (the debug picture: chunk drawn, latest reply), a
                             camera slot (the newest observation's image), or `caption` (the frame the
                             newest scene caption describes); 204 while there is none yet
-    GET  /status            status figures as JSON (with the newest frame's index and the newest caption)
+    GET  /status            status figures as JSON (with the newest frame's index, the newest caption and the
+                            hierarchical policy's language: subtask, progress memory, plan, speech, each with
+                            the frame it came from)
     GET  /favicon.ico       404, before any check: browsers ask for it without the token
     POST /ask               {"text", "session_id"?, "max_tokens"?} -> text/event-stream of {"partial"} then
                             {"reply"...}: a goal of the streaming conversation action (/oxygen/converse_stream)
@@ -14,6 +16,7 @@ callbacks below).
                             (409) while the engine is in its safe stop
     POST /clear_safe_stop   {} -> the engine node's clear_safe_stop service (std_srvs/Trigger)
     POST /prompt            {"text"} -> published on the task prompt topic (checked as the robot checks it)
+    POST /interject         {"text"} -> the interjection service's answer (/oxygen/interject): plan, speech
 
 Every request first passes the RequestGuard (guard.py): a name of this console in Host, its own
 Origin, the token, JSON for changes. The token is generated per start and printed with the URL on
@@ -65,6 +68,9 @@ PARAMS = [
           minimum=0.1, maximum=300.0),
 ]
 MAX_SESSION_ID_CHARS = 100
+# What the page shows of the robot's language state (Engine.language_state): each text and its frame (-1: none yet).
+LANGUAGE_KEYS = ("task", "subtask", "subtask_frame", "memory", "memory_frame", "plan", "plan_frame", "speech",
+                 "speech_frame")
 # Frames kept (references) for the caption's picture: a caption is decoded over several cycles after the frame
 # it describes (16 tokens at one per cycle: 16 frames later), and the page shows it beside that frame.
 CAPTION_FRAMES = 64
@@ -111,6 +117,10 @@ class ConsoleNode(Node):
         self.stream_client = ActionClient(self, ConverseAction, conversation.p["action_name"])
         self.enable_client = self.create_client(SetBool, ENABLE_SERVICE)
         self.safe_stop_client = self.create_client(Trigger, safe_stop_service)
+        from oxygen_interfaces.srv import Interject
+
+        self._Interject = Interject
+        self.interject_client = self.create_client(Interject, conversation.p["interject_service"])
         self.prompt_pub = self.create_publisher(String, observation.p["prompt_topic"], 10)
         self._obs, self._frame_index = None, -1
         self._frames: collections.OrderedDict = collections.OrderedDict()     # index -> observation (bounded)
@@ -121,7 +131,7 @@ class ConsoleNode(Node):
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
         self._thread: threading.Thread | None = None
-        self.asked = 0
+        self.asked = self.interjected = 0
         self.refused = {"requests": 0, "connections": 0, "timed_out": 0}
         self._activity: dict = {}             # open connection (RequestHandler) -> [requests in progress, last activity]
         self._start_server()
@@ -182,6 +192,7 @@ class ConsoleNode(Node):
         app.router.add_post("/enable", self._enable)
         app.router.add_post("/clear_safe_stop", self._clear_safe_stop)
         app.router.add_post("/prompt", self._prompt)
+        app.router.add_post("/interject", self._interject)
         # aiohttp waits for a request head without a time limit (500 of 500 incomplete requests were still
         # open after 100 s): the head timeout below closes them, and idle keep-alive connections too.
         self._runner = web.AppRunner(app, keepalive_timeout=self.p["request_head_timeout_s"], access_log=None)
@@ -271,7 +282,7 @@ class ConsoleNode(Node):
     def diagnostics(self) -> list[DiagnosticStatus]:
         if not self.url:
             return []
-        values = dict(asked=self.asked, connections=len(self._activity),
+        values = dict(asked=self.asked, interjected=self.interjected, connections=len(self._activity),
                       refused_requests=self.refused["requests"], refused_connections=self.refused["connections"],
                       timed_out_connections=self.refused["timed_out"])
         return [status("oxygen_ros: console", DiagnosticStatus.OK, f"serving {self.url}", values)]
@@ -297,6 +308,7 @@ class ConsoleNode(Node):
             "frame_index": frame_index,     # the frame of the camera pictures (-1: none yet)
             "caption": None if caption is None else {
                 "text": caption[0].text, "frame_index": caption[0].frame_index, "picture": caption[1] is not None},
+            "language": {k: v for k, v in self.engine.language_state("").items() if k in LANGUAGE_KEYS},
         }
 
     async def _no_icon(self, request: web.Request) -> web.Response:
@@ -427,6 +439,24 @@ class ConsoleNode(Node):
             raise web.HTTPBadRequest(text=f"{e} (oxygen_observation.max_prompt_chars)") from None
         self.prompt_pub.publish(String(data=text))
         return web.json_response({"success": True, "prompt": text})
+
+
+    async def _interject(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        text = body.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise web.HTTPBadRequest(text="'text' must be a non-empty string")
+        try:   # as the engine checks it
+            text = validate_text(text, what="interjection", max_chars=self.engine.info.max_question_chars)
+        except InputError as e:
+            raise web.HTTPBadRequest(text=str(e)) from None
+        client = self.interject_client
+        if not client.service_is_ready():
+            return web.json_response({"success": False, "error": f"{client.srv_name} not available"}, status=503)
+        self.interjected += 1
+        r = await asyncio.wrap_future(_as_concurrent(client.call_async(self._Interject.Request(text=text))))
+        return web.json_response({"success": r.success, "plan": r.plan, "speech": r.speech, "reply": r.reply,
+                                  "error": r.error, "frame_index": r.frame_index, "finish_reason": r.finish_reason})
 
 
 def _first_image(obs):

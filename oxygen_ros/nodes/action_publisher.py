@@ -1,9 +1,10 @@
 """ActionPublisher: a timer at action_rate_hz publishes the next action of the newest chunk.
 
 The engine thread only drops each new chunk into a one-slot mailbox; the timer (its own callback group,
-so nothing else delays it) takes it, publishes it on /oxygen/action_chunk, and plays the rows through
-the ChunkFollower, which samples the chunk in time: rows are one control period apart (the checkpoint's
-rate), commands go out at action_rate_hz; a chunk from an observation at t0 starts at the time now - t0.
+so nothing else delays it) takes it, publishes it on /oxygen/action_chunk (with the subtask that conditioned
+it, under a hierarchical policy), and plays the rows through the ChunkFollower, which samples the chunk in
+time: rows are one control period apart (the checkpoint's rate), commands go out at action_rate_hz; a chunk
+from an observation at t0 starts at the time now - t0.
 Every command is clamped to the configured limits. With no fresh chunk, or stale inputs, or the output
 disabled, the configured safe behaviour applies and /diagnostics says so.
 """
@@ -184,7 +185,9 @@ class ActionPublisher(Node):
             chunk, self._incoming = self._incoming, None
         new_chunk = chunk is not None and self.follower.push(chunk.plan)
         if new_chunk:
-            self.chunk_pub.publish(chunk_message(chunk.plan, self.names, chunk.compute_s, chunk.rtc_delay_rows))
+            msg = chunk_message(chunk.plan, self.names, chunk.compute_s, chunk.rtc_delay_rows)
+            msg.subtask = chunk.subtask          # what the chunk was conditioned on (hierarchy; "" when none)
+            self.chunk_pub.publish(msg)
             self._hold_since = None   # holding the newest chunk's last row is fresh again
         if not self.enabled:
             self.last_status = "disabled"

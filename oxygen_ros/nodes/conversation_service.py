@@ -1,4 +1,6 @@
-"""ConversationService: /oxygen/converse (service), /oxygen/converse_stream (action) and /oxygen/memory.
+"""ConversationService: /oxygen/converse (service), /oxygen/converse_stream (action), /oxygen/memory, and the
+hierarchical policy's language: /oxygen/subtask, /oxygen/progress, /oxygen/plan, /oxygen/speech (topics, one
+robot's each: language.py says which QoS and why) and /oxygen/interject (service).
 
 Requests go to the engine in-process and attach to the newest frame's KV handle: no KV and no image
 crosses DDS for language. The service never holds an executor thread while a reply is decoded (that
@@ -9,6 +11,12 @@ timer). rclpy gives a service callback no header, so the deferred response captu
 sends the callback's return value (`_DeferredService`). Coroutine callbacks were tried and measured: rclpy
 9.1.2 resumes every pending service task on every executor wake-up, so with 300 calls pending the process
 spent 55% of a core polling while idle and took only 227 of the 300 calls within 60 s.
+The interjection service answers the same way (deferred); its reply is split into plan and speech
+(pi052.split_plan_and_say, as the engine splits it for the robot's language state). The language topics
+are published from the engine's language listener (engine thread: enqueue and wake a guard condition).
+A reply with `<locNNNN>` tokens (a pi052 checkpoint's spatial answer) gets its points and boxes parsed
+(pi052.parse_loc_answer) and converted to the pixels of the camera `loc_camera`, whose size the robot config
+gives (`loc_image_size`; language.py says how the normalised coordinates map to pixels).
 Its request queue is deep on purpose: with the default depth (keep last 10) a burst of 200 calls from
 one client lost 180 of them silently in the middleware; every request that reaches the package gets a
 reply or an error.
@@ -22,6 +30,7 @@ destroyed raised InvalidHandle on the services executor thread, which ended that
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import threading
@@ -37,10 +46,12 @@ from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
 from oxygen_ros.engine.engine import Caption, Engine
 from oxygen_ros.engine.requests import Reply, Sampling, TextRequest, refused
 from oxygen_ros.engine.sessions import Sessions
+from oxygen_ros.model.pi052 import parse_loc_answer, split_plan_and_say
 from oxygen_ros.robot.text import validate_text
 
 from .action_output import ros_time
 from .engine_node import status, status_name
+from .language import TOPICS, LanguageOutbox, in_pixels, qos_for
 from .params import Param, ParameterError, declare_all
 
 MAX_STREAM_WAIT_S = 24 * 3600.0  # longest a stream waits for its reply (the engine times requests out first)
@@ -51,6 +62,13 @@ PARAMS = [
     Param("service_name", "oxygen/converse", "Conversation service (oxygen_interfaces/srv/Converse)."),
     Param("action_name", "oxygen/converse_stream", "Streaming conversation (oxygen_interfaces/action/Converse)."),
     Param("memory_topic", "oxygen/memory", "Scene captions (oxygen_interfaces/msg/Caption)."),
+    *[Param(name, default, description) for name, default, description in TOPICS.values()],
+    Param("interject_service", "oxygen/interject", "Operator interjections: a new plan and a spoken reply "
+                                                  "(oxygen_interfaces/srv/Interject)."),
+    Param("loc_camera", "", "Camera slot the points and boxes of spatial answers refer to (empty: the model's "
+                            "first camera slot)."),
+    Param("loc_image_size", [], "[width, height] of loc_camera's images in pixels: spatial answers are converted "
+                                "to them (empty: unknown, only the normalised coordinates are given).", item=int),
     Param("default_max_tokens", 32, "Reply length when a request asks for 0.", minimum=1),
     Param("default_timeout_s", 30.0, "Request timeout when a request asks for 0.", minimum=0.1,
           maximum=MAX_STREAM_WAIT_S),
@@ -95,7 +113,7 @@ class _DeferredService:
     def __init__(self, service):
         self.service = service
         send = service.send_response
-        self.send = send
+        self.send = self.send_raw = send      # `send` is wrapped by the node (never on a destroyed service)
         service.send_response = lambda response, header: (
             response.bind(header) if isinstance(response, _DeferredResponse) else send(response, header))
 
@@ -113,12 +131,27 @@ class ConversationService(Node):
         self.refusal = ""                   # non-empty: why requests are refused now (engine node inactive...)
         self.stopping = ""                  # non-empty: the node is going away (close); goals are rejected
         self.p, problems = declare_all(self, PARAMS)
+        slots = engine.robot_info(robot).camera_slots
+        self.loc_camera = self.p["loc_camera"] or slots[0]
+        if self.loc_camera not in slots:
+            problems.append(f"loc_camera {self.loc_camera!r} is not a camera slot of the model ({', '.join(slots)})")
+        size = list(self.p["loc_image_size"])
+        if size and (len(size) != 2 or min(size) < 1):
+            problems.append(f"loc_image_size {size}: [width, height] in pixels, both positive (empty: unknown)")
+        self.loc_size = (size[0], size[1]) if len(size) == 2 and min(size) >= 1 else (0, 0)
         if problems:
+            # Destroyed now: the context's cleanup would otherwise call this class's destroy_node on a half-built node.
+            Node.destroy_node(self)
             raise ParameterError("\n".join(problems))
+        from oxygen_interfaces.msg import LanguageUpdate, Located
+        from oxygen_interfaces.srv import Interject
+
         self._Converse, self._ConverseAction, self._CaptionMsg = Converse, ConverseAction, CaptionMsg
+        self._Interject, self._LanguageUpdate, self._Located = Interject, LanguageUpdate, Located
         self._seeds = itertools.count(1)
         self.sessions = Sessions(self.p["session_turns"], self.p["max_sessions"], engine.info.max_question_chars)
-        self.counts = {"requests": 0, "answered": 0, "failed": 0, "streams": 0, "streams_rejected": 0}
+        self.counts = {"requests": 0, "answered": 0, "failed": 0, "streams": 0, "streams_rejected": 0,
+                       "interjections": 0, "language_published": 0}
         self._streams: dict = {}            # goal id -> engine handle (for cancel)
         self._stream_slots = 0              # accepted goals not finished yet
         self._streams_lock = threading.Lock()
@@ -134,9 +167,12 @@ class ConversationService(Node):
         self.service = _DeferredService(self.create_service(Converse, self.p["service_name"], self._on_request,
                                                             qos_profile=qos,
                                                             callback_group=MutuallyExclusiveCallbackGroup()))
-        self._sender = self.service.send
-        self.service.send = self._send
-        self._replies: queue.SimpleQueue = queue.SimpleQueue()     # (deferred, request, reply, refusal)
+        self.interject_service = _DeferredService(self.create_service(
+            Interject, self.p["interject_service"], self._on_interject, qos_profile=qos,
+            callback_group=MutuallyExclusiveCallbackGroup()))
+        for service in (self.service, self.interject_service):
+            service.send = functools.partial(self._send, service.send)
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()     # (deferred, finish, reply, refusal)
         self._reply_ready = self.create_guard_condition(self._send_replies,
                                                         callback_group=MutuallyExclusiveCallbackGroup())
 
@@ -154,9 +190,16 @@ class ConversationService(Node):
         engine.add_caption_listener(lambda caption: caption.robot == robot and self._captions.put(caption))
         self.create_timer(0.1, self._publish_captions, callback_group=MutuallyExclusiveCallbackGroup())
 
+        self.language_pubs = {kind: self.create_publisher(LanguageUpdate, self.p[param], qos_for(kind))
+                              for kind, (param, _, _) in TOPICS.items()}
+        self._language_ready = self.create_guard_condition(self._publish_language,
+                                                           callback_group=MutuallyExclusiveCallbackGroup())
+        self.language = LanguageOutbox(robot, self._language_ready.trigger)
+        engine.add_language_listener(self.language.put)
+
     def configure_introspection(self, qos, state) -> None:
         """Publish the service's and the streaming action's requests and replies as service events."""
-        for server in (self.service.service, self.action_server):
+        for server in (self.service.service, self.interject_service.service, self.action_server):
             server.configure_introspection(self.get_clock(), qos, state)
 
     # ------------------------------------------------------------------ request mapping
@@ -207,6 +250,7 @@ class ConversationService(Node):
         target.frame_index = max(reply.frame_index, 0)
         target.frame_stamp = ros_time(reply.frame_stamp)
         target.queue_s, target.latency_s, target.finish_reason = reply.queue_s, reply.latency_s, reply.finish_reason
+        target.located = self.located(reply.text) if reply.success else []
         self.counts["answered" if reply.success else "failed"] += 1
         # A request ended by an orderly stop or a deactivation (`refusal`) is no fault: the client is told why,
         # the log says it at info. One call site per severity: rclpy refuses a call site whose severity changes.
@@ -219,30 +263,96 @@ class ConversationService(Node):
         return target
 
     # ------------------------------------------------------------------ service
+    def located(self, text: str) -> list:
+        """The points and boxes of a spatial answer as Located messages ([] when the text has none)."""
+        items = parse_loc_answer(text)
+        if not items:
+            return []
+        rotated = self.loc_camera in self.engine.preparers[self.robot].io.config.rotate_180
+        width, height = self.loc_size
+        return [self._Located(label=item.label, kind=item.kind, normalized=list(item.normalized),
+                              pixels=list(item.pixels), camera=self.loc_camera, image_width=width,
+                              image_height=height)
+                for item in in_pixels(items, width, height, rotated)]
+
     def _on_request(self, request, response):
         with self._idle:
             self._unsent += 1
         deferred = _DeferredResponse(self.service.send)
         handle = self._submit(request)
-        handle.add_done_callback(lambda reply: self._queue_reply(deferred, request, reply))
+
+        def finish(reply: Reply, refusal: str):
+            self._record(request, reply)
+            return self._fill(self._Converse.Response(), reply, refusal)
+
+        handle.add_done_callback(lambda reply: self._queue_reply(deferred, finish, reply))
         return deferred
 
-    def _queue_reply(self, deferred: _DeferredResponse, request, reply: Reply) -> None:
+    def _queue_reply(self, deferred: _DeferredResponse, finish, reply: Reply) -> None:
         """Engine thread (a done-callback): hand the reply to the services executor, nothing more."""
-        self._replies.put((deferred, request, reply, self.refusal))
+        self._replies.put((deferred, finish, reply, self.refusal))
         self._reply_ready.trigger()
 
     def _send_replies(self) -> None:
         """Services executor: build, log, record and send every reply the engine finished."""
         while True:
             try:
-                deferred, request, reply, refusal = self._replies.get_nowait()
+                deferred, finish, reply, refusal = self._replies.get_nowait()
             except queue.Empty:
                 return
-            self._record(request, reply)
-            deferred.complete(self._fill(self._Converse.Response(), reply, refusal))
+            deferred.complete(finish(reply, refusal))
 
-    def _send(self, response, header) -> None:
+    # ------------------------------------------------------------------ interjections
+    def _on_interject(self, request, response):
+        with self._idle:
+            self._unsent += 1
+        deferred = _DeferredResponse(self.interject_service.send)
+        self._interject(request).add_done_callback(
+            lambda reply: self._queue_reply(deferred, self._fill_interjection, reply))
+        return deferred
+
+    def _interject(self, r):
+        """The engine's handle for an interjection, or a refusal saying why it cannot be one."""
+        self.counts["interjections"] += 1
+        if self.refusal:
+            return refused(TextRequest(r.text), self.refusal)
+        if r.robot not in ("", self.robot):
+            here = f"robot {self.robot}'s" if self.robot else "the single robot's"
+            return refused(TextRequest(r.text), f"this interjection service is {here}, not {r.robot!r}'s: call "
+                                                f"that robot's (<its namespace>/{self.p['interject_service']})")
+        try:   # the engine checks the text and the timeout, and refuses without a hierarchy: each with why
+            return self.engine.interject(r.text, robot=self.robot,
+                                         timeout_s=float(r.timeout_s) or self.p["default_timeout_s"])
+        except Exception as e:  # noqa: BLE001 - escaping the callback would stop the services executor
+            self.get_logger().error(f"engine refused an interjection: {type(e).__name__}: {e}",
+                                    throttle_duration_sec=1.0)
+            return refused(TextRequest(r.text), f"engine error: {type(e).__name__}: {e}")
+
+    def _fill_interjection(self, reply: Reply, refusal: str):
+        response = self._Interject.Response()
+        error = reply.error
+        if not reply.success and refusal and not error.startswith(refusal):
+            error = f"{refusal} (request ended: {error})"
+        plan, speech = split_plan_and_say(reply.text) if reply.success else ("", "")
+        response.success, response.plan, response.speech, response.reply = reply.success, plan, speech, reply.text
+        response.error, response.frame_index = error, max(reply.frame_index, 0)
+        response.frame_stamp = ros_time(reply.frame_stamp)
+        response.latency_s, response.finish_reason = reply.latency_s, reply.finish_reason
+        if not reply.success:
+            self.get_logger().warning(f"interjection failed ({reply.finish_reason}): {error}",
+                                      throttle_duration_sec=1.0)
+        return response
+
+    # ------------------------------------------------------------------ language topics
+    def _publish_language(self) -> None:
+        """Services executor: every update the engine made for this robot, in order, on its kind's topic."""
+        for update in self.language.take():
+            msg = self._LanguageUpdate(robot=update.robot, frame_index=max(update.frame_index, 0), text=update.text)
+            msg.header.stamp = ros_time(update.stamp)
+            self.language_pubs[update.kind].publish(msg)
+            self.counts["language_published"] += 1
+
+    def _send(self, sender, response, header) -> None:
         """Every service response goes out here (from a _DeferredResponse): never on a destroyed service."""
         try:
             with self._send_lock:
@@ -250,7 +360,7 @@ class ConversationService(Node):
                     self.lost += 1
                     self.get_logger().error("a reply came after the service was destroyed: not sent")
                 else:
-                    self._sender(response, header)
+                    sender(response, header)
         except RCLError as e:         # the client went away
             self.get_logger().warning(f"reply not sent: {e}", throttle_duration_sec=1.0)
         finally:
@@ -301,21 +411,22 @@ class ConversationService(Node):
         reason = self.stopping or "conversation service destroyed"
         with self._send_lock:
             self._destroyed = True
-            service = self.service.service
-            while True:
-                with service.handle:
-                    taken = service.handle.service_take_request(service.srv_type.Request)
-                if taken is None:
-                    break
-                request, header = taken
-                if request is None:
-                    break
-                self.counts["requests"] += 1
-                response = self._Converse.Response(success=False, error=reason, finish_reason="refused")
-                try:
-                    self._sender(response, header)
-                except RCLError:
-                    pass
+            for deferred, count in ((self.service, "requests"), (self.interject_service, "interjections")):
+                service = deferred.service
+                while True:
+                    with service.handle:
+                        taken = service.handle.service_take_request(service.srv_type.Request)
+                    if taken is None:
+                        break
+                    request, header = taken
+                    if request is None:
+                        break
+                    self.counts[count] += 1
+                    response = service.srv_type.Response(success=False, error=reason, finish_reason="refused")
+                    try:
+                        deferred.send_raw(response, header)
+                    except RCLError:
+                        pass
             return super().destroy_node()
 
     # ------------------------------------------------------------------ streaming action

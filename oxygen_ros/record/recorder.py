@@ -4,10 +4,12 @@ What it stores:
   from the engine, in-process (exactly what was computed, every frame, even when no subscriber was fast
   enough): the observation of each frame (`/oxygen/observation/<slot>/compressed`, lossless PNG;
   `/oxygen/observation/state`, JointState with the observation stamp; `/oxygen/observation/prompt` when
-  it changes) and each action chunk (`/oxygen/action_chunk`);
+  it changes), each action chunk (`/oxygen/action_chunk`, with the subtask that conditioned it) and each
+  text of the hierarchical policy as the engine made it (`/oxygen/subtask`, `/oxygen/progress`,
+  `/oxygen/plan`, `/oxygen/speech`: LanguageUpdate, the same messages the conversation service publishes);
   from DDS, raw (the serialised bytes as published): the commands, captions, task prompt, /diagnostics,
-  the conversation service's requests and replies (service introspection events, as `ros2 bag record
-  --all-services` stores them) and the streaming action's feedback and status.
+  the conversation and interjection services' requests and replies (service introspection events, as
+  `ros2 bag record --all-services` stores them) and the streaming action's feedback and status.
 Engine-thread callbacks only enqueue; PNG encoding and writing run on the recorder's own thread. The
 queue is bounded in bytes (`queue_mb`; a frame counts its raw images): when the disk stalls, memory grows
 by at most that much, then new messages are dropped and counted, and the engine is never blocked. (It was
@@ -47,6 +49,9 @@ PARAMS = [
                                  "what was written (compression works per flushed chunk).", minimum=0.1, maximum=60.0),
 ]
 OBSERVATION = "/oxygen/observation"
+# The single robot's language topics (the conversation service's defaults), by LanguageUpdate kind.
+LANGUAGE_TOPICS = {"subtask": "/oxygen/subtask", "memory": "/oxygen/progress", "plan": "/oxygen/plan",
+                   "speech": "/oxygen/speech"}
 PNG_FORMAT = "rgb8; png compressed bgr8"
 
 
@@ -88,6 +93,8 @@ def item_bytes(item) -> int:
         return len(item[3])
     if kind == "chunk":
         return item[1].plan.actions.nbytes
+    if kind == "language":
+        return len(item[1].text)
     obs = item[2]
     return sum(image.nbytes for image in obs.images.values() if image is not None) + obs.state.nbytes
 
@@ -121,6 +128,7 @@ class Recorder(Node):
                                      qos, raw=True)
         engine.add_frame_listener(lambda index, obs: self._put(("frame", index, obs)))
         engine.add_chunk_listener(lambda chunk: self._put(("chunk", chunk)))
+        engine.add_language_listener(lambda update: update.robot == "" and self._put(("language", update)))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="oxygen-recorder", daemon=True)
         self._thread.start()
@@ -168,7 +176,10 @@ class Recorder(Node):
             chunk = item[1]
             msg = chunk_message(chunk.plan, self.joint_names, chunk.compute_s, chunk.rtc_delay_rows,
                                 chunk.model_actions if self._with_model_actions else None)
+            msg.subtask = chunk.subtask
             self.bag.write("/oxygen/action_chunk", type(msg), serialize_message(msg))
+        elif kind == "language":
+            self._write_language(item[1])
         else:
             self._write_observation(item[2])
 
@@ -190,6 +201,13 @@ class Recorder(Node):
                            position=[float(v) for v in obs.state])
         state.header.stamp = stamp
         self.bag.write(f"{OBSERVATION}/state", JointState, serialize_message(state), rotate=first)
+
+    def _write_language(self, update) -> None:
+        from oxygen_interfaces.msg import LanguageUpdate
+
+        msg = LanguageUpdate(robot=update.robot, frame_index=max(update.frame_index, 0), text=update.text)
+        msg.header.stamp = ros_time(update.stamp)
+        self.bag.write(LANGUAGE_TOPICS[update.kind], LanguageUpdate, serialize_message(msg))
 
     def _rewrite_latched(self) -> None:
         if self._prompt is not None:
@@ -238,16 +256,18 @@ def raw_topics(action, conversation, observation) -> dict:
 
     from oxygen_interfaces.action import Converse as ConverseAction
     from oxygen_interfaces.msg import Caption
-    from oxygen_interfaces.srv import Converse
+    from oxygen_interfaces.srv import Converse, Interject
 
     action_name = conversation.resolve_topic_name(conversation.p["action_name"])
     service_name = conversation.resolve_service_name(conversation.p["service_name"])
+    interject_name = conversation.resolve_service_name(conversation.p["interject_service"])
     return {
         action.resolve_topic_name(action.p["action_topic"]): action.pub.msg_type,
         "/diagnostics": DiagnosticArray,
         conversation.resolve_topic_name(conversation.p["memory_topic"]): Caption,
         observation.resolve_topic_name(observation.p["prompt_topic"]): String,
         f"{service_name}/_service_event": Converse.Event,
+        f"{interject_name}/_service_event": Interject.Event,
         f"{action_name}/_action/feedback": ConverseAction.Impl.FeedbackMessage,
         f"{action_name}/_action/send_goal/_service_event": ConverseAction.Impl.SendGoalService.Event,
         f"{action_name}/_action/get_result/_service_event": ConverseAction.Impl.GetResultService.Event,

@@ -54,9 +54,10 @@ from oxygen_ros.robot.trajectory import NS_PER_S, stamp_to_seconds  # noqa: E402
 from .bag import METADATA  # noqa: E402
 from .msgdef import type_name  # noqa: E402
 from .reader import McapFileError, read_file  # noqa: E402
-from .recorder import OBSERVATION  # noqa: E402
+from .recorder import LANGUAGE_TOPICS, OBSERVATION  # noqa: E402
 
 COMPARABLE = ("eos", "length", "stop")        # finish reasons that do not depend on timing
+REPLAYED_KINDS = ("subtask", "memory")        # the hierarchy's texts replay computes again (not interjections)
 METADATA_KEYS = ("engine_params", "conversation_params", "camera_slots")
 
 
@@ -74,6 +75,8 @@ class Frame:
     prompt: str = ""
     questions: list = field(default_factory=list)    # (request msg, response msg) answered from this frame
     captions: list = field(default_factory=list)     # recorded caption texts of this frame
+    subtask: str = ""                                # the subtask that conditioned the recorded chunk
+    language: list = field(default_factory=list)     # (kind, text) the engine decoded from this frame
     rtc_delay_rows: int | None = None                # the delay RTC made the chunk with (None: plain)
     continues: "RecordedChunk | None" = None         # RTC: the recorded chunk it continued
 
@@ -102,8 +105,8 @@ def message_type(topic: str):
     """The type replay reads `topic` as (the recorder's topics), or None: not needed for replay. Fixed here:
     nothing a file says decides which code runs."""
     from oxygen_interfaces.action import Converse as ConverseAction
-    from oxygen_interfaces.msg import ActionChunk, Caption
-    from oxygen_interfaces.srv import Converse
+    from oxygen_interfaces.msg import ActionChunk, Caption, LanguageUpdate
+    from oxygen_interfaces.srv import Converse, Interject
     from sensor_msgs.msg import CompressedImage, JointState
     from std_msgs.msg import String
 
@@ -117,6 +120,10 @@ def message_type(topic: str):
         return ActionChunk
     if topic == "/oxygen/memory":
         return Caption
+    if topic in LANGUAGE_TOPICS.values():
+        return LanguageUpdate
+    if topic.endswith("/interject/_service_event"):
+        return Interject.Event
     if topic.endswith("/_action/send_goal/_service_event"):
         return ConverseAction.Impl.SendGoalService.Event
     if topic.endswith("/_action/get_result/_service_event"):
@@ -211,6 +218,8 @@ def read_recording(paths: list[str], say=print) -> Recording:
     result_requests: dict[tuple, bytes] = {}       # get_result call -> goal id
     results: list[tuple[tuple, object]] = []
     captions: list = []
+    language: list = []                             # (kind, LanguageUpdate)
+    interjections = 0
     prompt = ""
     files: dict[str, str] = {}
     for path in _files(paths):
@@ -239,6 +248,10 @@ def read_recording(paths: list[str], say=print) -> Recording:
                 chunks[msg.frame_index] = (msg, *actions)
             elif topic == "/oxygen/memory":
                 captions.append(msg)
+            elif topic in LANGUAGE_TOPICS.values():
+                language.append((next(k for k, t in LANGUAGE_TOPICS.items() if t == topic), msg))
+            elif topic.endswith("/interject/_service_event"):
+                interjections += bool(msg.response)
             else:   # service event: request received / response sent, paired by client and sequence
                 key = (bytes(msg.info.client_gid), msg.info.sequence_number)
                 if topic.endswith("/_action/send_goal/_service_event"):
@@ -268,6 +281,7 @@ def read_recording(paths: list[str], say=print) -> Recording:
     frames, skipped = {}, {"no_observation": 0, "rtc_continues_unrecorded": 0, "reply_not_comparable": 0,
                            "reply_without_request": 0,
                            "reply_frame_not_recorded": 0, "caption_frame_not_recorded": 0,
+                           "language_frame_not_recorded": 0, "interjections_not_replayed": interjections,
                            "unreadable_files": sum(how.startswith("skipped") for how in files.values()),
                            "unfinished_files": sum(how.startswith("unfinished") for how in files.values())}
     previous = None                                 # the chunk recorded before this one (RTC continued it)
@@ -283,7 +297,8 @@ def read_recording(paths: list[str], say=print) -> Recording:
             continue
         state, frame_prompt = states[stamp]
         frames[index] = Frame(index, stamp, actions, state, images.get(stamp, {}), frame_prompt,
-                              rtc_delay_rows=delay, continues=before if delay is not None else None)
+                              rtc_delay_rows=delay, continues=before if delay is not None else None,
+                              subtask=msg.subtask)
     streamed = 0
     for key, response in responses:
         request = requests.get(key)
@@ -301,6 +316,11 @@ def read_recording(paths: list[str], say=print) -> Recording:
             frames[caption.frame_index].captions.append(caption.text)
         else:
             skipped["caption_frame_not_recorded"] += 1
+    for kind, update in language:
+        if update.frame_index in frames:
+            frames[update.frame_index].language.append((kind, update.text))
+        else:
+            skipped["language_frame_not_recorded"] += 1
     return Recording(metadata, [frames[i] for i in sorted(frames)], skipped, streamed, files)
 
 
@@ -379,8 +399,13 @@ def replay(recording: Recording, engine=None, say=print) -> dict:
     report = {"frames": len(recording.frames), "chunks_identical": 0, "chunks_different": [],
               "max_abs_action_diff": 0.0, "replies": 0, "replies_identical": 0, "replies_different": [],
               "streamed_replies": recording.streamed,
-              "captions": 0, "captions_identical": 0, "captions_different": [], "skipped": recording.skipped}
+              "captions": 0, "captions_identical": 0, "captions_different": [],
+              "language": 0, "language_identical": 0, "language_different": [], "skipped": recording.skipped}
     pending = []                                   # (kind, recorded, handle)
+    replayed_language: dict[int, list] = {}        # the replay engine's frame index -> [(kind, text)]
+    recorded_index: dict[int, int] = {}            # the replay engine's frame index -> the recorded frame's
+    engine.add_language_listener(lambda u: u.kind in REPLAYED_KINDS and u.robot == ""
+                                 and replayed_language.setdefault(u.frame_index, []).append((u.kind, u.text)))
 
     def ask(kind, text, max_tokens, recorded, session_id="", stop=()):
         question = sessions.question(session_id, text) if kind == "conversation" else text
@@ -407,16 +432,22 @@ def replay(recording: Recording, engine=None, say=print) -> dict:
                 engine.actions.resume("", _chunk_result(frame.continues), frame.continues.state, engine.preparer)
             engine.run_cycle(obs, noise=engine.frame_noise(frame.index))
             chunk = engine.latest_chunk()
+            if chunk is not None and chunk is not before:
+                recorded_index[chunk.plan.frame_index] = frame.index
             got = chunk.plan.actions if chunk is not None and chunk is not before else None
-            if got is not None and got.shape == frame.actions.shape and np.array_equal(got, frame.actions):
+            same_subtask = got is not None and chunk.subtask == frame.subtask      # what conditioned it
+            if got is not None and got.shape == frame.actions.shape and np.array_equal(got, frame.actions) \
+                    and same_subtask:
                 report["chunks_identical"] += 1
             else:
                 diff = float(np.max(np.abs(got - frame.actions))) if got is not None and \
                     got.shape == frame.actions.shape else float("inf")
                 report["max_abs_action_diff"] = max(report["max_abs_action_diff"], diff)
-                report["chunks_different"].append({"frame": frame.index, "max_abs_diff": diff})
-        for _ in range(100_000):                   # decode what is still being generated
-            if all(h.done() for _, _, h in pending):
+                report["chunks_different"].append({"frame": frame.index, "max_abs_diff": diff} if same_subtask else {
+                    "frame": frame.index, "max_abs_diff": diff, "subtask": frame.subtask,
+                    "replayed_subtask": chunk.subtask if got is not None else None})
+        for _ in range(100_000):     # decode what is still being generated (the hierarchy's own texts too)
+            if all(h.done() for _, _, h in pending) and not engine.active_requests and not engine.queued_requests:
                 break
             engine.run_cycle(None)
     for kind, recorded, handle in pending:
@@ -433,8 +464,21 @@ def replay(recording: Recording, engine=None, say=print) -> dict:
             report[f"{key}_identical"] += 1
         else:
             report[f"{key}_different"].append(entry)
+    # The hierarchy's own texts (subtask, progress memory), each on the frame it was decoded from.
+    replayed = {recorded_index.get(i, -1 - i): texts for i, texts in replayed_language.items()}
+    for frame in recording.frames:
+        recorded = [(kind, text) for kind, text in frame.language if kind in REPLAYED_KINDS]
+        again = replayed.pop(frame.index, [])
+        report["language"] += len(recorded)
+        if recorded == again:
+            report["language_identical"] += len(recorded)
+        else:
+            report["language_different"].append({"frame": frame.index, "recorded": recorded, "replayed": again})
+    report["language_different"] += [{"frame": i, "recorded": [], "replayed": again}
+                                     for i, again in replayed.items() if i >= 0]
     report["identical"] = (not report["chunks_different"] and not report["replies_different"]
-                           and not report["captions_different"] and report["frames"] > 0)
+                           and not report["captions_different"] and not report["language_different"]
+                           and report["frames"] > 0)
     return report
 
 
@@ -443,7 +487,8 @@ def summary(report: dict) -> str:
     skipped = ", ".join(f"{k} {v}" for k, v in report["skipped"].items() if v) or "none"
     return (f"replay {verdict}: chunks {report['chunks_identical']}/{report['frames']} bitwise identical "
             f"(max |diff| {report['max_abs_action_diff']:.3g}), replies {report['replies_identical']}/"
-            f"{report['replies']}, captions {report['captions_identical']}/{report['captions']}; skipped: {skipped}")
+            f"{report['replies']}, captions {report['captions_identical']}/{report['captions']}, subtasks and "
+            f"progress {report['language_identical']}/{report['language']}; skipped: {skipped}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,8 @@ Protocol (openpi's `WebsocketPolicyServer`, as its client expects it):
   - on connect the server sends its metadata (msgpack): the observation keys, action horizon and dimension...;
   - each binary msgpack-numpy message is answered by one message:
       an observation (the robot config's openpi keys, see layouts.py)
-          -> {"actions": [H, D] robot units after the output transforms,
+          -> {"actions": [H, D] robot units after the output transforms, "subtask": the text that conditioned
+              them (hierarchical policies; "" when none),
               "server_timing": {"infer_ms", "prev_total_ms"}, "policy_timing": {"infer_ms", "frame_index",
               "cycle_frames"}};
       {"question": str, "max_tokens": int, ...} -> {"text", "finish_reason", "frame_index", "tokens",
@@ -383,7 +384,7 @@ class ClientSession:
 
     def _actions(self, computed: Computed) -> dict:
         chunk = computed.chunk
-        return {"actions": chunk.plan.actions, "server_timing": {},
+        return {"actions": chunk.plan.actions, "subtask": chunk.subtask, "server_timing": {},
                 "policy_timing": {"infer_ms": 1e3 * chunk.compute_s, "frame_index": chunk.plan.frame_index,
                                   "cycle_frames": computed.cycle_frames}}
 
