@@ -193,7 +193,7 @@ def test_values_are_typed_as_rcl_types_them(tmp_path):
     from rclpy.context import Context
     from rclpy.node import Node
 
-    from oxygen_ros.param_files import read_file
+    from oxygen_ros.params_yaml import read_file
 
     scalars = ["yes", "Off", "y", "true", "64", "-7", "0x10", "010", "64.0", "1e3", ".nan", "-.inf", "inf", "lots",
                "'64'", '"true"', "null", "1_000", "[1, 2]", "[1.5, 2.0]", "[a, 'b']", "[true, no]"]
@@ -245,7 +245,7 @@ def test_port_problems_name_each_port_and_skip_port_zero(busy_port):
 
 # ------------------------------------------------------------------------- files read once, safely (issue 40)
 def _refusal(path) -> str:
-    from oxygen_ros.param_files import read_file
+    from oxygen_ros.params_yaml import read_file
 
     given, problems = read_file(path)
     assert given == [] and len(problems) == 1, problems
@@ -284,7 +284,7 @@ def test_alias_bombs_deep_nesting_and_non_utf8_are_one_line_refusals_without_bui
 
 def test_a_fifo_a_device_or_a_huge_file_is_refused_at_once(tmp_path):
     """Before: a FIFO given as the params file hung the start (and Ctrl-C did not stop it)."""
-    from oxygen_ros.param_files import MAX_PARAMS_BYTES
+    from oxygen_ros.params_yaml import MAX_PARAMS_BYTES
 
     fifo = tmp_path / "params.yaml"
     os.mkfifo(fifo)

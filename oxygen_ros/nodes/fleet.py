@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-
+from oxygen_ros.params_yaml import read_file
 from oxygen_ros.robot.configs import find_config
 from oxygen_ros.robot.policy_io import RobotIOConfig
 
@@ -73,12 +73,10 @@ def _section_name(node: str) -> str:
 
 class ParamsFiles:
     """ROS parameter files as rcl reads them: node section -> flat parameters, later files winning. Read by
-    the checker's reader (param_files.read_file: bounded, regular files only, rcl's value types, aliases and
+    the checker's reader (params_yaml.read_file: bounded, regular files only, rcl's value types, aliases and
     duplicate blocks refused), so that the fleet sees what the checker checked and rcl applies."""
 
     def __init__(self, paths: list[str | Path] = ()):
-        from oxygen_ros.param_files import read_file
-
         self.sections: dict[str, dict] = {}
         self.problems: list[str] = []
         for path in paths:
@@ -199,10 +197,7 @@ OUTPUTS = {
     "oxygen_action": {"action_topic": "publish their commands", "chunk_topic": "publish their chunks"},
     "oxygen_conversation": {"service_name": "serve their conversation service",
                             "action_name": "serve their streaming conversation action",
-                            "memory_topic": "publish their captions",
-                            "subtask_topic": "publish their subtasks", "progress_topic": "publish their progress memory",
-                            "plan_topic": "publish their plans", "speech_topic": "publish their speech",
-                            "interject_service": "serve their interjection service"},
+                            "memory_topic": "publish their captions"},
     "oxygen_view": {"debug_topic": "publish their debug pictures", "marker_topic": "publish their chunk markers"},
 }
 
