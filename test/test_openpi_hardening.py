@@ -403,6 +403,27 @@ def test_a_clients_share_of_the_cpu_pays_back_its_messages_cost():
     assert pace.wait_s() >= 0.06
 
 
+def test_a_question_answered_after_the_server_stopped_raises_nothing_on_the_engine_thread():
+    """Issue 40 item 6: Ctrl-C with a question pending printed "RuntimeError: Event loop is closed" from the
+    question's done-callback (run by the engine thread after the server's loop had closed)."""
+    import asyncio
+
+    from oxygen_ros.serve.server import _settle_from_thread
+
+    loop = asyncio.new_event_loop()
+    replied = loop.create_future()
+    loop.close()
+    done = threading.Thread(target=_settle_from_thread, args=(loop, replied, "the reply"))
+    errors = []
+    threading.excepthook, hook = (lambda args: errors.append(args.exc_value)), threading.excepthook
+    try:
+        done.start()
+        done.join()
+    finally:
+        threading.excepthook = hook
+    assert errors == [] and not replied.done()
+
+
 def _options(key_file):
     args, _ = parse_args(["--robot", "libero", "--api-key-file", str(key_file)])
     return server_options(args)
