@@ -72,7 +72,8 @@ def test_ctrl_c_while_the_model_loads_ends_the_start_cleanly(command, started):
             or f"{prog}: the start did not stop within 1.5 s: exiting now" in out), out
 
 
-# The demo checkpoint (111 tensors) read at 0.5 s a tensor: a load of about a minute, as a full-size π0.5's.
+# The demo checkpoint (111 tensors) read at `delay` s a tensor: at 0.5 s a load of about a minute, as a
+# full-size π0.5's.
 SLOW_LOAD = """
 import sys, time
 from oxygen_ros.model import checkpoint
@@ -88,7 +89,7 @@ class Slow:
     def __getattr__(self, name):
         return getattr(self.handle, name)
     def get_tensor(self, key):
-        time.sleep(0.5)
+        time.sleep({delay})
         return self.handle.get_tensor(key)
 
 checkpoint._open = lambda f: Slow(open_file(f))
@@ -104,7 +105,7 @@ def test_ctrl_c_during_a_slow_load_stops_the_load(module, args):
     """SIGINT once the (slowed, minute-long) load has begun: the load stops at its next tensor, no capacity
     is measured, and the process ends long before the load would have (bound 15 s, for a loaded machine:
     measured 0.6-1.6 s; the bug's run read every remaining tensor, then measured the capacity)."""
-    process = Process(["-c", SLOW_LOAD.format(module=module), *args], private_domain(65), python=())
+    process = Process(["-c", SLOW_LOAD.format(module=module, delay=0.5), *args], private_domain(65), python=())
     prog = "oxygen_bringup" if module == "bringup" else "oxygen_serve"
     assert process.wait_for("[oxygen_engine]: loading model demo from", 120), process.finish(5)[1]
     time.sleep(1.0)                                   # a few tensors in
@@ -118,17 +119,63 @@ def test_ctrl_c_during_a_slow_load_stops_the_load(module, args):
     assert f"{prog}: SIGINT: stopping the start" in out, out
 
 
-def test_a_second_ctrl_c_during_the_start_exits_at_once():
-    process = Process(["-c", SLOW_LOAD.format(module="bringup"), "--demo", "--duration", "120"], private_domain(66),
-                      python=())
-    assert process.wait_for("[oxygen_engine]: loading model demo from", 120), process.finish(5)[1]
-    process.proc.send_signal(signal.SIGINT)
-    # The second once the first was handled (two signals before the handler runs are one call).
-    assert process.wait_for("oxygen_bringup: SIGINT: stopping the start", 10), process.finish(5)[1]
-    process.proc.send_signal(signal.SIGINT)
-    code, out = process.finish(60)
-    assert code == 130, out
-    assert "oxygen_bringup: SIGINT again: exiting now" in out and "Traceback" not in out, out
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_second_ctrl_c_during_the_start_exits_at_once(monkeypatch, nested):
+    """The signal handler itself, called as Python calls it: a second SIGINT before the process runs exits at
+    once (the grace timer is not waited for); also when it comes while the first one's handler is still
+    writing its line (Python then runs the handler again inside the first). In a process the first signal
+    usually ends the start before a second can be sent, so the handler is driven here."""
+    from oxygen_ros.serve import cli
+
+    exits, written = [], []
+
+    class Exited(Exception):
+        pass
+
+    def exit_now(code):
+        exits.append(code)
+        raise Exited
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = cli.stop_on_signals("oxygen_bringup")
+        handler = signal.getsignal(signal.SIGINT)
+        monkeypatch.setattr(cli.os, "_exit", exit_now)
+        monkeypatch.setattr(cli.StopRequest, "START_GRACE_S", 3600.0)     # the timer never decides here
+
+        def write(fd, data):
+            written.append(data.decode())
+            if nested and len(written) == 1:
+                handler(signal.SIGINT, None)                      # the second signal, inside the first
+        monkeypatch.setattr(cli.os, "write", write)
+        with pytest.raises(Exited):
+            handler(signal.SIGINT, None)
+            handler(signal.SIGINT, None)
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)
+        if stop._deadline is not None:
+            stop._deadline.cancel()
+    assert exits == [130] and stop.is_set()
+    assert written[0] == "oxygen_bringup: SIGINT: stopping the start\n"
+    assert written[-1] == "oxygen_bringup: SIGINT again: exiting now\n" and len(written) == 2
+
+
+def test_once_running_more_signals_are_the_orderly_stop(monkeypatch):
+    from oxygen_ros.serve import cli
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(cli.os, "_exit", lambda code: pytest.fail("exited"))
+    monkeypatch.setattr(cli.os, "write", lambda fd, data: None)
+    try:
+        stop = cli.stop_on_signals("oxygen_bringup")
+        stop.running = True
+        for _ in range(3):
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)
+    assert stop.is_set() and stop._deadline is None
 
 
 def test_the_load_stops_between_tensors(monkeypatch):

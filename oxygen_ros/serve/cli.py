@@ -75,14 +75,17 @@ def stop_on_signals(prog: str) -> StopRequest:
     stop = StopRequest(prog)
 
     def stop_requested(signum, frame) -> None:
+        # Set first: a second signal may run this handler again inside the first one (Python runs a pending
+        # handler at the next bytecode), and must find the first one's stop.
+        again = stop.is_set()
+        stop.set()
         name = signal.Signals(signum).name     # os.write: a print here could re-enter a print in progress
-        if stop.is_set() and not stop.running:
+        if again and not stop.running:
             stop._exit_now(f"{name} again")
-        if not stop.is_set():
+        if not again:
             os.write(2, f"{prog}: {name}: stopping{'' if stop.running else ' the start'}\n".encode())
             if not stop.running:
                 stop.stop_start()
-        stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop_requested)
