@@ -695,6 +695,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--multistep", action="store_true",
                    help="the hierarchical demo model on multi-step tasks: the model's subtask and memory vs the task "
                         "alone, paired on the same episodes (oxygen_ros/eval_multistep.py); --steps is per step")
+    p.add_argument("--multistep-engine", action="store_true",
+                   help="with --multistep: the hierarchy through the engine's joint hierarchy (its own schedule) "
+                        "instead of the serial reference path")
     p.add_argument("--frameless", action="store_true",
                    help="language without frames: per scene (--episodes) 15 questions, one of the longest length, "
                         "then cycles without a frame; exit status 1 when one ends without a reply")
@@ -718,6 +721,8 @@ def main(argv: list[str] | None = None) -> int:
         out = frameless_check(a.episodes, a.seed, a.checkpoint)
         print_json(out, a.json)
         return 1 if out["questions_stuck"] else 0
+    if a.multistep_engine and not a.multistep:
+        p.error("--multistep-engine goes with --multistep")
     if a.multistep:
         if a.ros or a.openpi or a.delay_ticks is not None or a.execution is not None or len(a.seeds) > 1 \
                 or a.strip or a.policies != ",".join(POLICIES):
@@ -725,7 +730,8 @@ def main(argv: list[str] | None = None) -> int:
                     "--strip, --policies or several --seed values")
         from oxygen_ros.eval_multistep import evaluate_multistep
 
-        print_json(evaluate_multistep(a.episodes, a.seed, a.steps, a.replan, a.checkpoint), a.json)
+        print_json(evaluate_multistep(a.episodes, a.seed, a.steps, a.replan, a.checkpoint,
+                                      engine=a.multistep_engine), a.json)
         return 0
     if a.delay_ticks is not None or a.execution is not None:
         return execution_main(p, a)

@@ -19,9 +19,11 @@ before its chunk (the engine's `subtask_sync` semantics).
 """
 from __future__ import annotations
 
+import argparse
+import json
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +117,47 @@ class JointReference:
         return self.generate(image, state, task, f"{question}\n", ANSWER_MAX_TOKENS)
 
 
+class EnginePlanner:
+    """The engine in process (synchronous cycles, as `eval.EnginePolicy`) with its joint hierarchy: each frame's
+    chunk reads the robot's newest finished subtask (the task's span until one exists) and never waits for a
+    new one; a subtask is asked for every `every_chunks` chunks (7 x 143 ms: LeRobot's 1 Hz on the simulated
+    clock), decoded in the engine's language budget, and the progress memory is re-written on a change."""
+
+    hierarchy = True
+
+    def __init__(self, model: Pi05, checkpoint: Path, every_chunks: int = 7):
+        from oxygen_ros.engine.engine import EngineConfig
+        from oxygen_ros.engine.factory import build_engine
+        from oxygen_ros.robot.policy_io import RobotIOConfig
+
+        self.model = model
+        config = EngineConfig(hierarchy="joint", subtask_period_s=0.0, subtask_every_chunks=every_chunks)
+        self.engine = build_engine(built_model=model, norm_stats=str(Path(checkpoint) / "norm_stats.json"),
+                                   robot_io=RobotIOConfig(robot_action_dim=model.cfg.action_dim,
+                                                          delta_action_mask=(True,) * model.cfg.action_dim),
+                                   engine=config, kv_budget_mb=8.0)
+        self.tick = 0
+        self.memory_frame = -1
+
+    def reset(self) -> None:
+        self.engine.actions.forget()
+
+    def plan(self, image: np.ndarray, state: np.ndarray, task: str, noise: np.ndarray) -> Plan:
+        from oxygen_ros.eval import CAMERA_SLOT
+        from oxygen_ros.robot.sync import Observation
+        from oxygen_ros.sim.scene import CONTROL_PERIOD_S
+
+        self.tick += 10
+        report = self.engine.run_cycle(Observation(self.tick * CONTROL_PERIOD_S, {CAMERA_SLOT: image},
+                                                   {CAMERA_SLOT: True}, state, task), noise)
+        if report.fault:
+            raise RuntimeError(f"engine fault: {report.fault}")
+        chunk, language = self.engine.latest_chunk(), self.engine.language_state()
+        written = language["memory_frame"] != self.memory_frame and language["memory_frame"] >= 0
+        self.memory_frame = language["memory_frame"]
+        return Plan(chunk.plan.actions, chunk.subtask, language["memory"], written)
+
+
 @dataclass
 class MultiStepResult:
     success: bool
@@ -156,67 +199,97 @@ def run_multistep_episode(scene: ReachScene, layout, task: MultiStepTask, planne
 
 
 def evaluate_multistep(episodes: int, seed: int = 1000, ticks_per_step: int = 210, replan: int = 10,
-                       checkpoint: Path | None = None, questions: bool = True, log=print) -> dict:
+                       checkpoint: Path | None = None, questions: bool = True, engine: bool = False,
+                       log=print) -> dict:
+    """`engine`: the hierarchy arm through the engine's joint hierarchy (EnginePlanner); the task-only arm
+    stays on the reference path (the engine's hierarchy "off" serves a checkpoint's plain prompt instead)."""
     from oxygen_ros.engine.factory import build_model
-    from oxygen_ros.eval import demo_model_config, paired_comparison
+    from oxygen_ros.eval import demo_model_config
     from oxygen_ros.robot.configs import demo_checkpoint
 
     torch.set_num_threads(1)
     checkpoint = Path(checkpoint or demo_checkpoint())
     cfg = demo_model_config(checkpoint)
     model = build_model(cfg, str(checkpoint))
-    planners = {"hierarchy": JointReference(model, checkpoint, True), "task_only": JointReference(model, checkpoint, False)}
+    planners = {arm: JointReference(model, checkpoint, arm == "hierarchy") for arm in ARMS}
+    if engine:
+        planners["hierarchy"] = EnginePlanner(model, checkpoint)
+    served_by = ("hierarchy: the engine (joint hierarchy, a subtask every 7 chunks, never waited for); task only: "
+                 "the model reference path" if engine else
+                 "model reference path (model/inference.py), serial: every frame's subtask before its chunk")
     scene = ReachScene(cfg.vision.image_size)
-    results = {arm: [] for arm in ARMS}
-    answers = []
+    details = []
     start = time.monotonic()
     for ep in range(episodes):
         episode = draw_multistep_episode(seed, ep)
-        for arm, planner in planners.items():
-            results[arm].append(run_multistep_episode(scene, episode.layout, episode.task, planner,
-                                                      episode.noise_seed, ticks_per_step, replan))
+        results = {arm: run_multistep_episode(scene, episode.layout, episode.task, planner, episode.noise_seed,
+                                              ticks_per_step, replan) for arm, planner in planners.items()}
+        answers = []
         if questions:
             scene.reset(episode.layout)
             rng = np.random.default_rng([seed, ep, 3])
             image, state = scene.render("base"), scene.joints()
             for q in scene_questions(episode.layout, scene.tip(), rng):
-                answers.append((q, planners["hierarchy"].answer(image, state, episode.task.text, q.text)))
-        h, t = results["hierarchy"][-1], results["task_only"][-1]
+                reply = planners["task_only"].answer(image, state, episode.task.text, q.text)
+                answers.append({"kind": q.kind, "question": q.text, "answer": q.answer, "reply": reply})
+        details.append({"seed": seed, "episode": ep, "task": episode.task.text, "steps": episode.task.steps,
+                        **{arm: asdict(r) for arm, r in results.items()}, "answers": answers})
+        h, t = results["hierarchy"], results["task_only"]
         log(f"[eval multistep] episode {ep + 1}/{episodes}: {episode.task.text!r} hierarchy "
             f"{h.steps_done}/{h.steps}{' ok' if h.success else ''} task-only {t.steps_done}/{t.steps}"
             f"{' ok' if t.success else ''}; subtasks right {np.mean(h.subtask_right):.0%}")
     scene.close()
+    return {"seed": seed, "ticks_per_step": ticks_per_step, "replan": replan, "control_hz": 70,
+            "checkpoint": checkpoint.name,
+            "served_by": served_by, **summarize(details), "wall_s": round(time.monotonic() - start, 1),
+            "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread",
+            "details": details}
 
-    def arm_summary(rs: list[MultiStepResult]) -> dict:
-        ok = [r.ticks for r in rs if r.success]
-        return {"episode_success_rate": float(np.mean([r.success for r in rs])),
-                "step_success_rate": sum(r.steps_done for r in rs) / sum(r.steps for r in rs),
-                "by_steps": {str(n): float(np.mean([r.success for r in rs if r.steps == n]))
-                             for n in sorted({r.steps for r in rs})},
+
+def summarize(details: list[dict]) -> dict:
+    """The figures of per-episode results (`details`: one evaluation's, or several pooled)."""
+    from oxygen_ros.eval import paired_comparison
+
+    def arm_summary(rs: list[dict]) -> dict:
+        ok = [r["ticks"] for r in rs if r["success"]]
+        return {"episode_success_rate": float(np.mean([r["success"] for r in rs])),
+                "step_success_rate": sum(r["steps_done"] for r in rs) / sum(r["steps"] for r in rs),
+                "by_steps": {str(n): float(np.mean([r["success"] for r in rs if r["steps"] == n]))
+                             for n in sorted({r["steps"] for r in rs})},
                 "mean_ticks_to_finish": float(np.mean(ok)) if ok else None,
-                "wrong_touches_per_episode": float(np.mean([r.wrong_touches for r in rs]))}
+                "wrong_touches_per_episode": float(np.mean([r["wrong_touches"] for r in rs]))}
 
-    hier = results["hierarchy"]
-    frames = [ok for r in hier for ok in r.subtask_right]
-    memories = [m for r in hier for m in r.memories]
-    kinds = sorted({q.kind for q, _ in answers})
+    arms = {arm: [d[arm] for d in details] for arm in ARMS}
+    paired = paired_comparison([_Success(r["success"]) for r in arms["hierarchy"]],
+                               [_Success(r["success"]) for r in arms["task_only"]])
+    paired["only_hierarchy"], paired["only_task_only"] = paired.pop("only_this"), paired.pop("only_naive")
+    frames = [ok for r in arms["hierarchy"] for ok in r["subtask_right"]]
+    memories = [m for r in arms["hierarchy"] for m in r["memories"]]
+    answers = [a for d in details for a in d["answers"]]
+    kinds = sorted({a["kind"] for a in answers})
     return {
-        "episodes": episodes, "seed": seed, "ticks_per_step": ticks_per_step, "replan": replan, "control_hz": 70,
-        "checkpoint": checkpoint.name, "served_by": "model reference path (model/inference.py), serial: every "
-                                                   "frame's subtask before its chunk",
-        "arms": {arm: arm_summary(rs) for arm, rs in results.items()},
-        "hierarchy_vs_task_only": _paired(hier, results["task_only"], paired_comparison),
+        "episodes": len(details),
+        "arms": {arm: arm_summary(rs) for arm, rs in arms.items()},
+        "hierarchy_vs_task_only": paired,     # episode success, the RTC evaluation's paired interval
         "subtask_accuracy": float(np.mean(frames)) if frames else None, "subtask_frames": len(frames),
         "memory_accuracy": float(np.mean([w == t for w, t in memories])) if memories else None,
         "memories_written": len(memories),
         "wrong_memories": [{"written": w, "true": t} for w, t in memories if w != t][:20],
-        "answer_accuracy": float(np.mean([q.answer == a for q, a in answers])) if answers else None,
-        "answer_accuracy_by_kind": {k: float(np.mean([q.answer == a for q, a in answers if q.kind == k]))
+        "answer_accuracy": float(np.mean([a["answer"] == a["reply"] for a in answers])) if answers else None,
+        "answer_accuracy_by_kind": {k: float(np.mean([a["answer"] == a["reply"] for a in answers if a["kind"] == k]))
                                     for k in kinds},
         "questions_asked": len(answers),
-        "wall_s": round(time.monotonic() - start, 1),
-        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread",
     }
+
+
+def pool(paths: list[Path]) -> dict:
+    """Several evaluations' JSON (e.g. one per seed, run side by side) as one: their episodes pooled."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    details = [d for run in runs for d in run["details"]]
+    return {"seeds": [run["seed"] for run in runs], "checkpoint": runs[0]["checkpoint"],
+            "served_by": runs[0]["served_by"], "ticks_per_step": runs[0]["ticks_per_step"],
+            "replan": runs[0]["replan"], **summarize(details),
+            "wall_s": [run["wall_s"] for run in runs], "machine": runs[0]["machine"], "details": details}
 
 
 @dataclass
@@ -225,9 +298,23 @@ class _Success:
     success: bool
 
 
-def _paired(hierarchy: list[MultiStepResult], task_only: list[MultiStepResult], compare) -> dict:
-    """Episode success of the hierarchy against the task only on the same episodes (the RTC evaluation's
-    paired interval, its "naive" being the task only here)."""
-    out = compare([_Success(r.success) for r in hierarchy], [_Success(r.success) for r in task_only])
-    out["only_hierarchy"], out["only_task_only"] = out.pop("only_this"), out.pop("only_naive")
-    return out
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m oxygen_ros.eval_multistep",
+                                description="Pool multi-step evaluations (python -m oxygen_ros.eval --multistep "
+                                            "--json ...) run side by side, e.g. one per seed.")
+    p.add_argument("--pool", type=Path, nargs="+", required=True, help="the evaluations' JSON files")
+    p.add_argument("--json", type=Path, default=None, help="also write the pooled result here")
+    a = p.parse_args(argv)
+    missing = [str(x) for x in a.pool if not x.is_file()]
+    if missing:
+        p.error(f"--pool: no such file {', '.join(missing)}")
+    out = pool(a.pool)
+    text = json.dumps(out, indent=1)
+    if a.json:
+        a.json.write_text(text + "\n")
+    print(json.dumps({k: v for k, v in out.items() if k != "details"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

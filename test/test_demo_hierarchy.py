@@ -99,7 +99,10 @@ def test_a_touched_cube_darkens_in_the_image_and_keeps_its_colour_label(scene):
     assert np.abs(before[changed] - red).max(-1).mean() < np.abs(after[changed] - red).max(-1).mean()
     labels = patch_colours(np.stack([before, after]), 16)
     seen = set(labels[0][labels[0] > 0].tolist())
-    assert 1 in seen and set(labels[1][labels[1] > 0].tolist()) == seen     # red is class 1 either way
+    assert 1 in seen and set(labels[1][labels[1] > 0].tolist()) == seen     # red is red, touched or not
+    touched = np.array([[False] * 4, [True, False, False, False]])
+    assert np.array_equal(patch_colours(np.stack([before, after]), 16, touched=touched),
+                          np.where(labels == 1, [[1], [5]], labels)), "the probe's touched red: class 5"
     scene.reset(LAYOUT)
     assert np.array_equal(scene.render("base"), before), "a reset restores every colour"
 
@@ -247,3 +250,4 @@ def test_fine_tuning_the_whole_model_from_trained_weights_trains_every_part(mult
     trainer.train_step()
     moved = {n.split(".")[0] for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
     assert {"vision", "embed_tokens", "vlm_layers", "expert_layers", "action_out_proj"} <= moved
+
