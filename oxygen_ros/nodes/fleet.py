@@ -197,7 +197,10 @@ OUTPUTS = {
     "oxygen_action": {"action_topic": "publish their commands", "chunk_topic": "publish their chunks"},
     "oxygen_conversation": {"service_name": "serve their conversation service",
                             "action_name": "serve their streaming conversation action",
-                            "memory_topic": "publish their captions"},
+                            "memory_topic": "publish their captions",
+                            "subtask_topic": "publish their subtasks", "progress_topic": "publish their progress memory",
+                            "plan_topic": "publish their plans", "speech_topic": "publish their speech",
+                            "interject_service": "serve their interjection service"},
     "oxygen_view": {"debug_topic": "publish their debug pictures", "marker_topic": "publish their chunk markers"},
 }
 
