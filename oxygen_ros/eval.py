@@ -4,7 +4,7 @@ or through the whole ROS path (--ros).
     python -m oxygen_ros.eval --episodes 50 --json eval.json
     python -m oxygen_ros.eval --ros --episodes 30 --json eval_ros.json
     python -m oxygen_ros.eval --frameless --episodes 12      # language without frames (180 questions)
-    python -m oxygen_ros.eval --multistep --episodes 100 --checkpoint DIR   # hierarchy vs task only (eval_multistep.py)
+    python -m oxygen_ros.eval_multistep --episodes 100 --checkpoint DIR     # multi-step: hierarchy vs task only
 
 For each seeded episode (a random layout of 2-3 cubes and a random named cube): the scripted expert, then
 the model under each engine policy (isolated, shared_kv, oxygen: the same episodes, the same noise), then
@@ -692,12 +692,6 @@ def main(argv: list[str] | None = None) -> int:
     add_execution_arguments(p)
     p.add_argument("--openpi", action="store_true",
                    help="through oxygen_serve --robot demo and openpi-client's Runtime (serve/eval_openpi.py)")
-    p.add_argument("--multistep", action="store_true",
-                   help="the hierarchical demo model on multi-step tasks: the model's subtask and memory vs the task "
-                        "alone, paired on the same episodes (oxygen_ros/eval_multistep.py); --steps is per step")
-    p.add_argument("--multistep-engine", action="store_true",
-                   help="with --multistep: the hierarchy through the engine's joint hierarchy (its own schedule) "
-                        "instead of the serial reference path")
     p.add_argument("--frameless", action="store_true",
                    help="language without frames: per scene (--episodes) 15 questions, one of the longest length, "
                         "then cycles without a frame; exit status 1 when one ends without a reply")
@@ -721,18 +715,6 @@ def main(argv: list[str] | None = None) -> int:
         out = frameless_check(a.episodes, a.seed, a.checkpoint)
         print_json(out, a.json)
         return 1 if out["questions_stuck"] else 0
-    if a.multistep_engine and not a.multistep:
-        p.error("--multistep-engine goes with --multistep")
-    if a.multistep:
-        if a.ros or a.openpi or a.delay_ticks is not None or a.execution is not None or len(a.seeds) > 1 \
-                or a.strip or a.policies != ",".join(POLICIES):
-            p.error("--multistep runs in process on its own: not with --ros, --openpi, --delay-ticks, --execution, "
-                    "--strip, --policies or several --seed values")
-        from oxygen_ros.eval_multistep import evaluate_multistep
-
-        print_json(evaluate_multistep(a.episodes, a.seed, a.steps, a.replan, a.checkpoint,
-                                      engine=a.multistep_engine), a.json)
-        return 0
     if a.delay_ticks is not None or a.execution is not None:
         return execution_main(p, a)
     if a.ros and (a.strip or a.replan != 10 or a.policies != ",".join(POLICIES)):

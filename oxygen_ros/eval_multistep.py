@@ -1,5 +1,5 @@
-"""Closed-loop evaluation of the hierarchical demo model on multi-step tasks (`python -m oxygen_ros.eval
---multistep`; docs/demo_model.md).
+"""Closed-loop evaluation of the hierarchical demo model on multi-step tasks (`python -m oxygen_ros.eval_multistep`;
+docs/demo_model.md).
 
 Per seeded episode (a scene of `draw_episode`, a 2-3 step task of `sim.tasks.draw_multistep_episode`), the same
 model twice on the same scene, start and chunk noise:
@@ -300,11 +300,27 @@ class _Success:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m oxygen_ros.eval_multistep",
-                                description="Pool multi-step evaluations (python -m oxygen_ros.eval --multistep "
-                                            "--json ...) run side by side, e.g. one per seed.")
-    p.add_argument("--pool", type=Path, nargs="+", required=True, help="the evaluations' JSON files")
-    p.add_argument("--json", type=Path, default=None, help="also write the pooled result here")
+                                description="The hierarchical demo model on multi-step tasks: the model's subtask "
+                                            "and memory vs the task alone, paired on the same episodes; or --pool "
+                                            "evaluations run side by side (e.g. one per seed).")
+    p.add_argument("--episodes", type=int, default=50, help="episodes (default 50)")
+    p.add_argument("--seed", type=int, default=1000, help="episode seed (training data uses 0)")
+    p.add_argument("--steps", type=int, default=210, help="control ticks per task step (70 Hz)")
+    p.add_argument("--replan", type=int, default=10, help="ticks executed from each chunk")
+    p.add_argument("--checkpoint", type=Path, default=None, help="the hierarchical model's folder")
+    p.add_argument("--engine", action="store_true",
+                   help="the hierarchy through the engine's joint hierarchy (its own schedule) instead of the serial "
+                        "reference path")
+    p.add_argument("--pool", type=Path, nargs="+", default=None, help="pool these evaluations' JSON files instead")
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
     a = p.parse_args(argv)
+    if a.pool is None:
+        out = evaluate_multistep(a.episodes, a.seed, a.steps, a.replan, a.checkpoint, engine=a.engine)
+        text = json.dumps(out, indent=1)
+        if a.json:
+            a.json.write_text(text + "\n")
+        print(text)
+        return 0
     missing = [str(x) for x in a.pool if not x.is_file()]
     if missing:
         p.error(f"--pool: no such file {', '.join(missing)}")
