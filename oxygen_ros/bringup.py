@@ -411,8 +411,10 @@ def startup_refusal(args, files: list[str], ros_args: list[str]) -> str:
         given.append(Given("--record", "oxygen_recorder", "path", args.record))
     report = check(files, ros_args, given)
     console = dict({p.name: p.default for p in CONSOLE}, **report.values("oxygen_console"))
-    problems = report.problems + _file_problems(report.values("oxygen_engine"), console,
-                                                report.values("oxygen_recorder").get("path"))
+    # The files are checked once the parameters naming them are right: with a misspelled `checkpont`, the
+    # config's default checkpoint path would be reported missing beside the real mistake.
+    problems = report.problems or _file_problems(report.values("oxygen_engine"), console,
+                                                 report.values("oxygen_recorder").get("path"))
     lines = ["oxygen_bringup: refusing to start, bad parameters:\n  " + "\n  ".join(problems)] if problems else []
     ports = [PortUse("--openpi-port", args.openpi_host, args.openpi_port or 0),
              PortUse("--lerobot-port", args.lerobot_host, args.lerobot_port or 0)]
