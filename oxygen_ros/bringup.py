@@ -410,6 +410,8 @@ def startup_refusal(args, files: list[str], ros_args: list[str]) -> str:
     if args.record:
         given.append(Given("--record", "oxygen_recorder", "path", args.record))
     report = check(files, ros_args, given)
+    for line in report.others:                  # another package's section of a shared file: said once, not refused
+        print(f"oxygen_bringup: {line}", flush=True)
     console = dict({p.name: p.default for p in CONSOLE}, **report.values("oxygen_console"))
     # The files are checked once the parameters naming them are right: with a misspelled `checkpont`, the
     # config's default checkpoint path would be reported missing beside the real mistake.

@@ -356,6 +356,19 @@ def test_a_parameter_in_another_nodes_section_names_its_node_and_hints_only_clos
                              f"{params}:14: /camera/realsense2_camera: not a node of this package (left to its own node)"]
 
 
+@pytest.mark.parametrize("module,extra", [("oxygen_ros.bringup", ["--robot", "demo", "--duration", "1"]),
+                                           ("oxygen_ros.serve", ["--robot", "demo", "--port", "0"])])
+def test_bringup_and_serve_say_another_packages_section_once_and_refuse_only_this_packages_mistakes(
+        tmp_path, module, extra):
+    params = write(tmp_path / "shared.yaml", "robot_state_publisher:\n  ros__parameters:\n    publish_frequency: 20.0\n"
+                                             "oxygen_engine:\n  ros__parameters:\n    kv_budget_mb: lots\n")
+    r = run(module, *extra, "--params-file", params)
+    assert r.returncode == 2, r.stdout + r.stderr
+    said = f"{params}:1: robot_state_publisher: not a node of this package (left to its own node)"
+    assert (r.stdout + r.stderr).count(said) == 1, r.stdout + r.stderr
+    assert refused_lines(r.stderr) == [f"{params}:6: oxygen_engine.kv_budget_mb = 'lots': must be a float such as 256.0"]
+
+
 def test_did_you_mean_only_for_a_name_a_typo_away():
     from oxygen_ros.param_files import _did_you_mean
 

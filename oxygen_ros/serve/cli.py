@@ -219,7 +219,10 @@ def startup_refusal(files: list[str], ros_args: list[str], options: ServeOptions
     (param_files.py), then the server's port, bound and released (a port in use said as such)."""
     from oxygen_ros.param_files import PortUse, check, port_problems
 
-    problems = check(files, ros_args).problems
+    report = check(files, ros_args)
+    for line in report.others:                  # another package's section of a shared file: said once, not refused
+        print(f"oxygen_serve: {line}", flush=True)
+    problems = report.problems
     lines = ["oxygen_serve: refusing to start, bad parameters:\n  " + "\n  ".join(problems)] if problems else []
     lines += [f"oxygen_serve: refusing to start: {line}"
               for line in port_problems([PortUse("--port", options.host, options.port)])]
