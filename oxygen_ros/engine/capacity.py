@@ -99,9 +99,11 @@ def predict(cost: CycleCost, chunk_periods: dict[str, float], max_per_cycle: int
                     {r: 1.0 / p for r, p in chunk_periods.items()})
 
 
-def measure(runner: ModelRunner, frames: int, denoise_steps: int | None, repeats: int = 1) -> CycleCost:
+def measure(runner: ModelRunner, frames: int, denoise_steps: int | None, repeats: int = 3) -> CycleCost:
     """Time prefill + actions of a worst-case frame at 1 and at `frames` frames (best of `repeats`, after
-    one untimed warm-up), on the engine thread's model; the frames' KV is released at once."""
+    an untimed warm-up at each size: a shape's first call pays its allocations, which made one start-up's
+    estimate 9.1 s and the next 1.3 s for the same fleet), on the engine thread's model; the frames' KV is
+    released at once."""
     cfg = runner.cfg
     row = PrefixRow(torch.zeros(len(cfg.camera_slots), 3, cfg.vision.image_size, cfg.vision.image_size),
                     torch.ones(cfg.max_token_len, dtype=torch.long))
@@ -121,7 +123,8 @@ def measure(runner: ModelRunner, frames: int, denoise_steps: int | None, repeats
             torch.cuda.synchronize(runner.model.device)
         return time.perf_counter() - t
 
-    cycle(frames)                                                   # warm-up (allocations, kernels)
+    for m in {1, frames}:
+        cycle(m)                                                    # warm-up (allocations, kernels)
     one = min(cycle(1) for _ in range(repeats))
     if frames == 1:
         return CycleCost(0.0, one, "measured")
