@@ -373,3 +373,23 @@ def test_a_paused_camera_is_expected_only_a_quarter_interval_late():
     assert intake.next_arrival(0.32) == pytest.approx(0.32)        # 20% late: expected now
     assert intake.next_arrival(0.2 + 0.1 * 1.3) is None
     assert intake.next_arrival(0.2 + 0.1 * 3) is None
+
+
+def test_a_question_sent_with_an_observation_is_answered_about_that_frame_not_an_older_one(engine_factory):
+    """A question carries its observation's stamp (openpi's socket sends both in one message): a frame of its
+    robot stamped before it is not its frame, whether it is this cycle's or one the engine holds or re-uses;
+    it waits for its observation's frame."""
+    engine = engine_factory()
+    engine.run_cycle(make_observation(0))                                      # frame 0, stamp 0.0
+    handle = engine.submit(TextRequest("what is on the table?", max_tokens=2,
+                                       not_before_stamp=make_observation(5).stamp_s))
+    engine.run_cycle(make_observation(1))                                      # frame 1, stamp 0.1: too old
+    engine.run_cycle()                                                         # no frame: nothing older either
+    assert not handle.done() and engine.queued_requests == 1
+    engine.run_cycle(make_observation(5))                                      # frame 2: its observation
+    for _ in range(20):
+        if handle.done():
+            break
+        engine.run_cycle()
+    reply = handle.result(0)
+    assert reply.success and reply.frame_index == 2 and reply.frame_stamp == make_observation(5).stamp_s, reply

@@ -43,7 +43,9 @@ class Sampling:
 class TextRequest:
     """What a caller asks. kind: "conversation" (a question about the current scene) or "memory" (a scene
     caption); the engine's own hierarchical-language requests are "subtask", "progress" and "interjection".
-    `owner` names who asked (a robot, a client): carried through for per-owner scheduling."""
+    `owner` names who asked (a robot, a client): carried through for per-owner scheduling.
+    `not_before_stamp`: answered only about a frame of the owner whose observation is stamped at or after this
+    (a question sent together with an observation is about that observation, never the frame before it)."""
 
     text: str
     max_tokens: int = 32
@@ -53,6 +55,7 @@ class TextRequest:
     kind: str = "conversation"
     session_id: str = ""
     owner: str = ""
+    not_before_stamp: float = float("-inf")
 
 
 @dataclass(frozen=True)

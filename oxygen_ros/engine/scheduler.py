@@ -401,6 +401,8 @@ class Scheduler:
                 continue
             if seq.own_prefix is not None and not may_prefill():
                 continue
+            if frames[seq.request.owner].prepared.stamp < seq.request.not_before_stamp:
+                continue                                 # its observation's frame is still to come
             need = self.own_blocks(len(seq.question), seq.request.max_tokens)
             prefix = self.prefix_blocks if seq.own_prefix is not None else self.request_prefix_blocks
             if self.blocks.num_free - need - prefix < self.reserve_blocks:

@@ -430,13 +430,15 @@ class ClientSession:
         else:
             # The engine answers about frames it computes: the newest observation becomes a frame again.
             obs = replace(self.newest, stamp_s=time.monotonic())
+        # About this observation's frame, never an older one the engine holds or re-uses for this robot.
+        request = replace(request, not_before_stamp=obs.stamp_s)
         loop = asyncio.get_running_loop()
         replied, handles = loop.create_future(), []
 
         def ask() -> None:
-            # After the observation is the engine's (never before: a cycle between the two would answer about
-            # the client's previous frame): the question is admitted onto this frame in its cycle, or, when
-            # that cycle has passed, onto the same frame again (the client has nothing newer in flight).
+            # After the observation is the engine's, and only about its frame or a newer one (not_before_stamp):
+            # a cycle between the two, or a frame the engine holds for this robot, would otherwise answer about
+            # the client's previous frame.
             handle = self.engine.submit(request)
             handles.append(handle)
             self._requests.add(handle)
