@@ -476,6 +476,12 @@ def crosswiring(node, topics: dict[str, str], own: int = 0, wait_s: float = 0.0)
         if len(engines) > 1:
             return (f"oxygen_bringup: refusing to start: another {name} runs on ROS domain {domain}: its robot "
                     f"would get both engines' commands; {ways_out}")
+        # DDS announces endpoints before node names: while the clash's name is still unknown, look on (the engine
+        # check above then names it) until the deadline.
+        unnamed = any(i.node_name.startswith("_NODE_NAME_UNKNOWN") for i in publishers + readers)
+        if unnamed and time.monotonic() < deadline:
+            time.sleep(0.1)
+            continue
         if len(publishers) > own:
             other = next(f"{i.node_namespace.rstrip('/')}/{i.node_name}" for i in publishers)
             return (f"oxygen_bringup: refusing to start: {other} already publishes on {commands} (ROS domain "
