@@ -23,4 +23,8 @@ fi
 
 # shellcheck disable=SC1091
 . .venv/bin/activate
-exec python -m pytest -q -ra test/ "$@"
+# One worker per core, at most 4 (pytest-xdist); a test file stays in one worker (its module fixtures, e.g. one
+# bringup, are built once). The slowest files start first (test/conftest.py); the slowest tests are listed at
+# the end. OXYGEN_TEST_WORKERS=1 runs the suite in one process.
+workers="${OXYGEN_TEST_WORKERS:-$(python -c 'import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))')}"
+exec python -m pytest -q -ra -n "$workers" --dist loadfile --durations=25 test/ "$@"
