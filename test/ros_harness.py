@@ -18,14 +18,21 @@ from rclpy.node import Node
 REPO = Path(__file__).resolve().parents[1]
 
 
+_domains: dict[int, int] = {}       # offset -> the domain this process gave it
+
+
 def private_domain(offset: int) -> int:
-    """A DDS domain id of this test process (1..100: valid with the default port mapping). Tests run in
-    parallel workers (pytest-xdist, scripts/test.sh): each worker draws from its own share of the range, so
-    two workers' processes never meet on one domain."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    index = int(worker[2:]) if worker[2:].isdigit() else 0
-    span = 100 // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-    return 1 + index * span + (os.getpid() * 7 + offset) % span
+    """A DDS domain id of this test process for `offset` (the same one each time it is asked), distinct from the
+    domain of every other offset this process has used (1..100: valid with the default port mapping). Tests
+    run in parallel workers (pytest-xdist, scripts/test.sh): each worker takes its domains from its own share of
+    the range, so two workers' processes never meet on one domain, and within a worker a test's bringup never
+    meets the participants an earlier test's processes may leave behind for a while."""
+    if offset not in _domains:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+        index = int(worker[2:]) if worker[2:].isdigit() else 0
+        span = 100 // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+        _domains[offset] = 1 + index * span + (os.getpid() * 7 + len(_domains)) % span
+    return _domains[offset]
 
 
 class Bringup:

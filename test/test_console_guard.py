@@ -128,7 +128,7 @@ def console_and_engine_node(engine_factory, tmp_path):
     port = free_port()
     console = ConsoleNode(
         engine, action=SimpleNamespace(enabled=True, last_status="ok", rate=RateMeter()),
-        conversation=SimpleNamespace(p={"action_name": "oxygen/converse_stream"}),
+        conversation=SimpleNamespace(p={"action_name": "oxygen/converse_stream", "interject_service": "oxygen/interject"}),
         observation=SimpleNamespace(slots=["base_0_rgb"], p={"prompt_topic": "oxygen/prompt", "max_prompt_chars": 500}),
         view=None, lifecycle_state=lambda: "active", safe_stop_service=engine_node.clear_safe_stop_service,
         printer=lambda *a, **k: printed.append(a), context=context,
