@@ -265,3 +265,40 @@ def test_a_plain_causal_span_is_not_the_joint_recipe(model, ref):
     span = pi052.joint_span_tokens(TOK, str(ref["joint_subtask_text"]))
     actions = actions_over(model, ref, prompt + span, [(len(prompt), len(prompt)), (len(span), 0)])
     assert np.abs(actions - ref["joint_model_actions"]).max() > 10 * TOLERANCE
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["subtask_sync", "async"])
+def test_the_engine_serves_the_joint_recipe_as_the_branch(ref, sync):
+    """The engine on this checkpoint in the joint recipe: one prefill per frame (images + the prompt through
+    "Assistant:"), the subtask a request with no question on that frame's K/V (sync: decoded on the frame
+    before its actions; async: by the batched decode, used from the next frame on), the actions reading the
+    prefix plus the subtask (causal) plus [EOS, "\\n"] (one block). Subtask ids and actions: the branch's."""
+    from oxygen_ros.engine.config import EngineConfig
+    from oxygen_ros.engine.factory import build_engine
+    from oxygen_ros.robot.sync import Observation
+
+    engine = build_engine(CONFIG, checkpoint=str(DATA / "model"), robot_io=RobotIOConfig(), kv_budget_mb=8.0,
+                          engine=EngineConfig(hierarchy="joint", subtask_sync=sync, subtask_period_s=0.0,
+                                              progress_memory=False))
+    slot = CONFIG.camera_slots[0]
+    obs = Observation(stamp_s=0.0, images={slot: ref["image"]}, image_masks={slot: True}, state=ref["state"],
+                      prompt="put the cups away")
+    replies = []
+    replied = engine.hierarchy._subtask_replied
+    engine.hierarchy._subtask_replied = lambda robot, generation, reply: (replies.append(reply),
+                                                                          replied(robot, generation, reply))
+    engine.run_cycle(obs, ref["noise"])
+    if not sync:
+        assert engine.latest_chunk().subtask == "put the cups away"      # no subtask yet: the task
+        for i in range(1, 200):
+            if replies:
+                break
+            engine.run_cycle()
+        assert replies and replies[0].tokens == ref["joint_subtask_ids"].tolist()
+        engine.run_cycle(Observation(stamp_s=1.0, images=obs.images, image_masks=obs.image_masks,
+                                     state=obs.state, prompt=obs.prompt), ref["noise"])
+    chunk = engine.latest_chunk()
+    assert chunk.subtask == str(ref["joint_subtask_text"]) == engine.language_state()["subtask"]
+    # this subtask begins with a byte piece: the lone space piece is in the bidirectional block (own prefill)
+    assert engine.stats.counter("joint_own_prefill") == 1
+    np.testing.assert_allclose(chunk.model_actions[:, :6], ref["joint_model_actions"], rtol=0, atol=TOLERANCE)

@@ -197,18 +197,28 @@ class ModelRunner:
         return self._forward(cached, [t for r in rows for t in r.tokens])
 
     @torch.inference_mode()
-    def extend_spans(self, frames: list[FrameCache], spans: list[list[int]]) -> list[FrameCache]:
-        """Each frame's prefix continued by a causal span of tokens (pi052's joint subtask span) in one batched
-        forward: a new handle per frame (`FrameCache.fork`: the prefix shared, its partly filled last block
-        copied on write) whose segment is the prefix plus the span, for the actions to read. The caller holds
-        the new handles; on an exception they are released here."""
+    def extend_spans(self, frames: list[FrameCache], causal: list[list[int]],
+                     tails: list[list[int]]) -> list[FrameCache]:
+        """Each frame's prefix continued by a span (pi052's joint subtask span): `causal` tokens attended causally
+        (the subtask's, as they were decoded), then `tails` tokens that see each other (EOS and the newline
+        after it), two batched forwards. A new handle per frame (`FrameCache.fork`: the prefix shared, its
+        partly filled last block copied on write) whose segment is the prefix plus the span, for the actions
+        to read. The caller holds the new handles; on an exception they are released here."""
         forks: list[FrameCache] = []
         try:
-            for f, span in zip(frames, spans):
-                forks.append(f.fork(len(span)))
-            rows = [CachedRow(n_new=len(span), own=fork.segment) for fork, span in zip(forks, spans)]
-            self.model.extend(torch.tensor([t for span in spans for t in span], dtype=torch.long),
-                              CachedAttention(self.pool.kv, rows, self.backend, self.model.device))
+            for f, c, t in zip(frames, causal, tails):
+                forks.append(f.fork(len(c) + len(t)))
+            for tail_block in (False, True):
+                rows, tokens = [], []
+                for fork, c, t in zip(forks, causal, tails):
+                    new, end = (t, fork.segment.length) if tail_block else (c, fork.segment.length - len(t))
+                    if new:
+                        rows.append(CachedRow(n_new=len(new), own=Segment(fork.segment.blocks, end),
+                                              bidir=len(new) if tail_block else 0))
+                        tokens += new
+                if rows:
+                    self.model.extend(torch.tensor(tokens, dtype=torch.long),
+                                      CachedAttention(self.pool.kv, rows, self.backend, self.model.device))
         except BaseException:
             for fork in forks:
                 fork.release()

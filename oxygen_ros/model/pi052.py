@@ -110,6 +110,19 @@ def joint_subtask_span(subtask: str) -> str:
     return f"Assistant: {subtask}"
 
 
+def joint_request(messages: Sequence[Message]) -> str:
+    """A text request of the joint recipe, forked from the frame's prompt, which holds the task's turn and the
+    open `"Assistant:"` header (`joint_prompt(...) + GENERATION_PROMPT`): the messages after the task's turn
+    rendered on from that header. A next assistant turn fills the header; a next user turn leaves it an empty
+    assistant turn. The subtask request (the task's turn alone) is empty: its first token is the frame's."""
+    rest = list(messages[1:])
+    if not rest:
+        return ""
+    if rest[0][0] == "assistant":
+        return f" {rest[0][1]}\n" + render(rest[1:])
+    return "\n" + render(rest)
+
+
 class _SentencePiece(Protocol):
     sp: Any            # a sentencepiece.SentencePieceProcessor (model.tokenizer.Tokenizer has one)
     bos_id: int

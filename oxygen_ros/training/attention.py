@@ -25,9 +25,11 @@ class TrainPrefixAttention:
     `read`: the packed indices whose final hidden states the forward returns (the LM loss positions)."""
 
     def __init__(self, lengths: list[int], bidir: list[int], prefix: list[int], read: torch.Tensor,
-                 forks: list[list[int]] | None = None):
-        """`forks[b]`: the lengths of row b's forks, which end the row (after its trunk); see the module."""
+                 forks: list[list[int]] | None = None, tail: list[int] | None = None):
+        """`forks[b]`: the lengths of row b's forks, which end the row (after its trunk); see the module.
+        `tail[b]`: the last tail[b] tokens the actions read see each other (pi052's joint [EOS, "\\n"])."""
         forks = forks or [[] for _ in lengths]
+        tail = tail or [0 for _ in lengths]
         self.lengths, self.bidir, self.prefix, self.forks = lengths, bidir, prefix, forks
         b, l_max = len(lengths), max(lengths)
         self.pack = torch.cat([torch.arange(n) + i * l_max for i, n in enumerate(lengths)])
@@ -51,7 +53,10 @@ class TrainPrefixAttention:
         n = torch.tensor(lengths)[:, None, None]
         d = torch.tensor(bidir)[:, None, None]
         same = segment[:, :, None] == segment[:, None, :]                 # [B, L(query), L(key)]
-        self.mask = ((j < n) & ((j < d) | ((j <= i) & same)))[:, None]    # [B, 1, L, L]
+        lo = torch.tensor([p - t for p, t in zip(prefix, tail)])[:, None, None]
+        hi = torch.tensor(prefix)[:, None, None]
+        in_tail = ((i >= lo) & (i < hi)) & ((j >= lo) & (j < hi))
+        self.mask = ((j < n) & ((j < d) | ((j <= i) & same) | in_tail))[:, None]    # [B, 1, L, L]
         self.mask |= torch.eye(l_max, dtype=torch.bool)                # padding queries see themselves
         self.b, self.l_max = b, l_max
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> padded [B, kvh, L, hd]

@@ -182,38 +182,40 @@ def task_of(data: dict[str, np.ndarray], i: int) -> MultiStepTask:
 
 def make_joint_batch(data: dict[str, np.ndarray], index: np.ndarray, tok: Tokenizer, norm: Normalizer,
                      rng: np.random.Generator, image_size: int, image_tokens: int, max_token_len: int) -> Batch:
-    """Per sample one row: the trunk is the images, the bidirectional prompt `"User: {task}, State: ...;\\n"`
-    and the causal span `"Assistant: {subtask}" EOS "\\n"` that the actions read (the task instead of the
-    subtask for TASK_ONLY_RATE of the samples); the subtask's tokens and EOS in the span are its text targets,
-    which is the subtask request `"Assistant:"` forked from the prompt, since the span is causal. Then forks
+    """Per sample one row, in the joint recipe's blocks as the engine serves them: the trunk is the images and
+    the bidirectional prompt `"User: {task}, State: ...;\\nAssistant:"` (the subtask request's prompt), the
+    subtask's tokens (causal), then EOS and `"\\n"`, which see each other (`pi052.joint_tokens`); the actions
+    read the whole trunk (the task instead of the subtask for TASK_ONLY_RATE of the samples). The subtask's
+    tokens and EOS are its text targets, the subtask request forked from the prompt. Then forks
     (training/attention.py): a scene question and its answer; when a step is done, the memory request
-    (pi052's memory turns after the task's) and the progress memory."""
-    rows, lengths, bidir, prefix, forks, read, targets = [], [], [], [], [], [], []
-    generation_prompt = tok.encode(pi052.GENERATION_PROMPT)       # the subtask request after the prompt
+    (pi052's memory turns continuing the header, `pi052.joint_request`) and the progress memory."""
+    rows, lengths, bidir, prefix, forks, tails, read, targets = [], [], [], [], [], [], [], []
     offset = 0
     for i in index:
         layout, task, done = layout_of(data, i), task_of(data, i), int(data["done"][i])
         subtask = subtask_text(layout, task, done)
-        state = norm.normalize_state(data["state"][i])
-        prompt = tok.encode(pi052.joint_prompt(task.text, pi052.state_text(state)), bos=True)
+        state = pi052.state_text(norm.normalize_state(data["state"][i]))
+        prompt = tok.encode(pi052.joint_prompt(task.text, state) + pi052.GENERATION_PROMPT, bos=True)
         if len(prompt) > max_token_len:
             raise ValueError(f"task {task.text!r}: its prompt is {len(prompt)} tokens, the model reads {max_token_len}")
         n_prompt = image_tokens + len(prompt)
         task_only = rng.random() < TASK_ONLY_RATE
-        span = pi052.joint_span_tokens(tok, task.text if task_only else subtask)
-        if span[:len(generation_prompt)] != generation_prompt:
-            raise ValueError(f"the span of {subtask!r} does not begin with the tokens of the subtask request")
+        conditioning = task.text if task_only else subtask
+        joint = pi052.joint_tokens(tok, task.text, state, conditioning)
+        if joint.tokens[:joint.bidir] != prompt:
+            raise ValueError(f"the joint prompt of {conditioning!r} does not begin with the subtask request's tokens")
+        span = joint.tokens[joint.bidir:]
         if not task_only:     # the subtask and EOS, each predicted from the token before it
-            first = offset + n_prompt + len(generation_prompt) - 1
-            read.extend(range(first, first + len(span) - len(generation_prompt) - 1))
-            targets.extend(span[len(generation_prompt):-1])
+            first = offset + n_prompt - 1
+            read.extend(range(first, first + joint.causal + 1))
+            targets.extend(span[:joint.causal + 1])
         row_forks, fork_tokens, start = [], [], n_prompt + len(span)
         question = scene_questions(layout, data["tip"][i].astype(np.float64), rng)
         q = question[int(rng.integers(len(question)))]
         text_forks = [(tok.encode(QUESTION_TEMPLATE.format(text=q.text)), tok.encode(q.answer) + [tok.eos_id])]
         if done:
-            request = pi052.render(pi052.memory_messages(task.text, progress_memory(layout, task, done - 1),
-                                                         subtask_text(layout, task, done - 1))[1:])
+            request = pi052.joint_request(pi052.memory_messages(task.text, progress_memory(layout, task, done - 1),
+                                                                subtask_text(layout, task, done - 1)))
             text_forks.append((tok.encode(request), tok.encode(" " + progress_memory(layout, task, done))
                                + [tok.eos_id]))
         for asked, answer in text_forks:
@@ -228,6 +230,7 @@ def make_joint_batch(data: dict[str, np.ndarray], index: np.ndarray, tok: Tokeni
         bidir.append(n_prompt)
         prefix.append(n_prompt + len(span))
         forks.append(row_forks)
+        tails.append(joint.tail)
         offset += start
     actions = normalize_actions(norm, action_deltas({"chunk": data["chunk"][index], "state": data["state"][index]}))
     patch = int(image_size / image_tokens ** 0.5)
@@ -236,5 +239,5 @@ def make_joint_batch(data: dict[str, np.ndarray], index: np.ndarray, tok: Tokeni
         for cube in data["order"][i][:int(data["done"][i])]:
             touched[row, data["colours"][i][cube]] = True
     labels = patch_colours(data["image"][index], patch, touched=touched)
-    return Batch(rows, TrainPrefixAttention(lengths, bidir, prefix, torch.tensor(read), forks), torch.tensor(targets),
-                 torch.tensor(actions, dtype=torch.float32), torch.tensor(labels))
+    return Batch(rows, TrainPrefixAttention(lengths, bidir, prefix, torch.tensor(read), forks, tails),
+                 torch.tensor(targets), torch.tensor(actions, dtype=torch.float32), torch.tensor(labels))

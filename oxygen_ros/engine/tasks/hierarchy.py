@@ -12,11 +12,13 @@ robot. `subtask_sync` is the serial reference (LeRobot's order): a frame whose s
 decoded greedily at once on that frame before its actions.
 
 The two formats (model/pi052.py) share what their attention allows:
-- joint: the frame's prefix is images + "User: {task}, State: ...;\\n", one prefill per frame. A text is a
-  causal fork at the end of that prompt, like a question ("Assistant:" for the subtask; the memory and
-  interjection turns after the task's turn); the actions read the prefix plus the causal span
-  "Assistant: {subtask}<eos>\\n", extended onto the frame before the denoise (`ModelRunner.extend_spans`: a
-  few tokens, the prefix's partly filled last block copied on write).
+- joint: the frame's prefix is images + "User: {task}, State: ...;\\nAssistant:", all bidirectional, one
+  prefill per frame: the same tokens as the subtask request, so the subtask is a request with no question
+  (its first token from the frame's last position). The memory and interjection turns are causal forks
+  continuing that header (`pi052.joint_request`). The actions read the prefix plus the span in the
+  branch's blocks (`pi052.joint_tokens`): the subtask's tokens, causal, then EOS and "\\n", which see each
+  other, extended onto the frame before the denoise (`ModelRunner.extend_spans`: a few tokens, the
+  prefix's partly filled last block copied on write).
 - pi052 (the default recipe): the frame's prefix is images + "User: {subtask}, State: ...;\\n"; the prefix is
   bidirectional, so each text needs a prefill of its own (images + its messages), admitted like a question
   when it fits the cycle's language time: once per refresh, never per frame.
@@ -107,9 +109,9 @@ class HierarchyTask:
                     with self.runner.prefill_one(self._own_prefix(f, pi052.subtask_messages(r.task)), f.index,
                                                  f.prepared.stamp) as own:
                         self._subtask_decoded(f.robot, r.generation, self._decode_now(own, []), f)
-                state = pi052.state_text(f.prepared.model_state) if f.preparer.state_in_prompt else None
                 f.subtask = self._subtask(r)
-                text = pi052.joint_prompt(r.task, state) if self.joint else pi052.action_prompt(f.subtask, state)
+                text = pi052.joint_prompt(r.task, _state(f)) + pi052.GENERATION_PROMPT if self.joint else \
+                    pi052.action_prompt(f.subtask, _state(f))
                 f.prepared = f.preparer.reprompt(f.prepared, text)
                 kept.append(f)
             except Exception as e:  # noqa: BLE001 - this frame only
@@ -118,16 +120,32 @@ class HierarchyTask:
 
     def spans(self, frames: list[Frame], cycle) -> None:
         """Joint format, after the prefill: each frame's subtask span extended onto its prefix for its actions
-        (sync mode: the subtask decoded on the frame first when due). Raises as the frames' prefill does."""
+        (sync mode: the subtask decoded on the frame first when due). Raises as the frames' prefill does.
+        The frame's prefix is the span's bidirectional block (the prompt through "Assistant:"), except when the
+        subtask's first piece does not carry its leading space (pi052.JointPrompt): that frame's actions then
+        read an own prefill of the prompt with the lone space piece (counted: joint_own_prefill)."""
         if not self.joint or not frames:
             return
         for f in frames:
             r = self._robots[f.robot]
             if self.config.subtask_sync and self._due(r):
-                self._subtask_decoded(f.robot, r.generation, self._decode_now(f.cache, self._question([])), f)
+                self._subtask_decoded(f.robot, r.generation, self._decode_now(f.cache, []), f)
             f.subtask = self._subtask(r)
-        forks = self.runner.extend_spans([f.cache for f in frames],
-                                         [pi052.joint_span_tokens(self.tokenizer, f.subtask) for f in frames])
+        prefixes, causal, tails = [], [], []
+        for f in frames:
+            span = pi052.joint_tokens(self.tokenizer, f.task, _state(f), f.subtask)
+            prefix, head, end = f.cache, len(f.prepared.row.tokens), len(span.tokens) - span.tail
+            if span.tokens[:span.bidir] != f.prepared.row.tokens.tolist() and not f.prepared.prompt_truncated:
+                # The subtask's first piece has no leading space: the lone space piece before it is in the
+                # prompt's bidirectional block, so the actions' prefix is not the frame's: its own prefill.
+                # (A prompt cut to max_token_len, reported with the chunk, goes on causally from the cut.)
+                self.stats.count("joint_own_prefill")
+                row = PrefixRow(f.prepared.row.images, torch.tensor(span.tokens[:span.bidir], dtype=torch.long))
+                prefix, head = cycle.enter_context(self.runner.prefill_one(row, f.index, f.prepared.stamp)), span.bidir
+            prefixes.append(prefix)
+            causal.append(span.tokens[head:end])
+            tails.append(span.tokens[end:])
+        forks = self.runner.extend_spans(prefixes, causal, tails)
         for f, fork in zip(frames, forks):
             f.action_cache = cycle.enter_context(fork)
 
@@ -201,8 +219,9 @@ class HierarchyTask:
             (c.subtask_every_chunks > 0 and r.chunks >= c.subtask_every_chunks)
 
     def _question(self, messages: list[pi052.Message]) -> list[int]:
-        """Joint format: a text's tokens after the frame's prompt (which holds the task's turn, with the state)."""
-        return self.tokenizer.encode(pi052.render(messages))
+        """Joint format: a text's tokens after the frame's prompt (the task's turn, with the state, and the
+        open "Assistant:" header)."""
+        return self.tokenizer.encode(pi052.joint_request(messages))
 
     def _own_prefix(self, f: Frame, messages: list[pi052.Message]) -> PrefixRow:
         return PrefixRow(f.prepared.row.images, torch.tensor(self._prefix_tokens(messages), dtype=torch.long))
@@ -214,8 +233,8 @@ class HierarchyTask:
              settle: Callable[[Reply], None]) -> RequestHandle:
         request = TextRequest(pi052.render(messages), max_tokens=self.format.max_new_tokens, kind=kind, owner=robot,
                               timeout_s=timeout_s)
-        if self.joint:       # the task's turn is the frame's prompt: the fork continues after it
-            return self.submit(request, question=self._question(messages[1:]), masked=self.masked, settle=settle)
+        if self.joint:       # the task's turn and the header are the frame's prompt: the fork continues after it
+            return self.submit(request, question=self._question(messages), masked=self.masked, settle=settle)
         return self.submit(request, own_prefix=self._prefix_tokens(messages), masked=self.masked, settle=settle)
 
     def _decode_now(self, prefix: FrameCache, question: list[int]) -> str:
@@ -243,7 +262,7 @@ class HierarchyTask:
                 own_len += 1
         finally:
             blocks.decref(own)
-        return self.tokenizer.decode(tokens)
+        return pi052.decode_reply(self.tokenizer, tokens)
 
     def _subtask_replied(self, robot: str, generation: int, reply: Reply) -> None:
         with self._lock:
@@ -254,13 +273,14 @@ class HierarchyTask:
         if not reply.success:
             self.stats.count("subtask_failed")
             return
-        self._subtask_decoded(robot, generation, reply.text, reply)
+        self._subtask_decoded(robot, generation, pi052.decode_reply(self.tokenizer, reply.tokens), reply)
 
     def _subtask_decoded(self, robot: str, generation: int, text: str, source) -> None:
         """A subtask text of frame `source` (a Reply or a Frame): the robot's newest, and on a change its
         progress memory is re-written (pi052's memory prompt, the previous subtask completed). An empty text
-        is dropped (the previous subtask stays), as LeRobot's runtime does."""
-        text = " ".join(text.split())
+        is dropped (the previous subtask stays), as LeRobot's runtime does; the text is otherwise kept as
+        decoded (`pi052.decode_reply`), since the joint recipe's actions read it re-encoded as the branch does."""
+        text = text.strip()
         index, stamp = (source.frame_index, source.frame_stamp) if isinstance(source, Reply) else \
             (source.index, source.prepared.stamp)
         with self._lock:
@@ -304,3 +324,8 @@ class HierarchyTask:
                 r.texts[kind] = (text, reply.frame_index, reply.frame_stamp)
         for kind in changed:
             self.notify(LanguageUpdate(robot, kind, texts[kind].strip(), reply.frame_index, reply.frame_stamp))
+
+
+def _state(f: Frame) -> str | None:
+    """The state's bins as the frame's prompt carries them (None when the robot's prompt has no state)."""
+    return pi052.state_text(f.prepared.model_state) if f.preparer.state_in_prompt else None
