@@ -334,6 +334,11 @@ class ConversationService(Node):
         if not reply.success and refusal and not error.startswith(refusal):
             error = f"{refusal} (request ended: {error})"
         plan, speech = split_plan_and_say(reply.text) if reply.success else ("", "")
+        if reply.success and self.engine.language_state(self.robot)["plan_frame"] != reply.frame_index:
+            # The robot's task changed while the reply was decoded: the engine did not apply a plan made for the
+            # task before, so none is reported as the robot's plan (the raw reply is still there).
+            plan, speech = "", ""
+            error = "the robot's task changed while the interjection was answered: its plan was not applied"
         response.success, response.plan, response.speech, response.reply = reply.success, plan, speech, reply.text
         response.error, response.frame_index = error, max(reply.frame_index, 0)
         response.frame_stamp = ros_time(reply.frame_stamp)
