@@ -342,7 +342,9 @@ def test_a_client_that_leaves_while_its_question_decodes_frees_its_slot_at_once(
         _until(lambda: server.hub.in_flight() and handles, 10, "the observation and question never arrived")
         for _ in range(20):                          # a cycle at a time until its chunk is delivered
             engine.run_cycle()
-            deadline = time.monotonic() + 0.5
+            # Wait for the server to take the chunk before another cycle: under load it may take a while, and each
+            # extra cycle decodes more of the question, which could then end before it is checked below.
+            deadline = time.monotonic() + 5.0
             while server.hub.in_flight() and time.monotonic() < deadline:
                 time.sleep(0.01)
             if not server.hub.in_flight():
