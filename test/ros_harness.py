@@ -18,21 +18,26 @@ from rclpy.node import Node
 REPO = Path(__file__).resolve().parents[1]
 
 
-_domains: dict[int, int] = {}       # offset -> the domain this process gave it
+_domains: dict[tuple[str, int], int] = {}       # (test module, offset) -> the domain this process gave it
+DOMAINS = 101       # DDS domain ids 1..101 are valid with the default port mapping (Linux ephemeral ports above)
 
 
 def private_domain(offset: int) -> int:
-    """A DDS domain id of this test process for `offset` (the same one each time it is asked), distinct from the
-    domain of every other offset this process has used (1..100: valid with the default port mapping). Tests
-    run in parallel workers (pytest-xdist, scripts/test.sh): each worker takes its domains from its own share of
-    the range, so two workers' processes never meet on one domain, and within a worker a test's bringup never
-    meets the participants an earlier test's processes may leave behind for a while."""
-    if offset not in _domains:
+    """A DDS domain id of the calling test module's `offset` in this test process (the same one each time that
+    module asks), distinct from the domain of every other (module, offset) this process has used. Tests run in
+    parallel workers (pytest-xdist, scripts/test.sh): each worker takes its domains from its own share of
+    1..DOMAINS, so two workers' processes never meet on one domain, and within a worker a test's bringup never
+    meets the participants an earlier test's processes may leave behind for a while (two modules asking for the
+    same offset get two domains)."""
+    key = (sys._getframe(1).f_globals.get("__name__", ""), offset)
+    if key not in _domains:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
         index = int(worker[2:]) if worker[2:].isdigit() else 0
-        span = 100 // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-        _domains[offset] = 1 + index * span + (os.getpid() * 7 + len(_domains)) % span
-    return _domains[offset]
+        span = DOMAINS // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+        if len(_domains) >= span:
+            raise RuntimeError(f"this test worker has used all {span} DDS domains of its share: fewer workers")
+        _domains[key] = 1 + index * span + (os.getpid() * 7 + len(_domains)) % span
+    return _domains[key]
 
 
 class Bringup:

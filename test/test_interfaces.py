@@ -94,7 +94,9 @@ def test_converse_service_round_trip():
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
 
-    domain_id = 1 + os.getpid() % 100  # separate DDS domain per run: no cross-talk between runs
+    from ros_harness import private_domain
+
+    domain_id = private_domain(1)
     service = f"/oxygen_test_converse_{os.getpid()}"
     env = dict(os.environ, ROS_DOMAIN_ID=str(domain_id))
     server = subprocess.Popen([sys.executable, "-c", SERVER, service, "30"], env=env,

@@ -448,7 +448,9 @@ def test_bringup_serves_openpi_clients_next_to_the_ros_robot():
     """`oxygen_bringup --demo --openpi-port 0`: a socket robot on the demo engine beside the simulated ROS robot:
     its frames are batched with the ROS robot's in one cycle, and the frame indices it gets are interleaved
     with the ROS robot's (one engine)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", ROS_DOMAIN_ID=str(101 + os.getpid() % 100))
+    from ros_harness import private_domain
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", ROS_DOMAIN_ID=str(private_domain(1)))
     proc = subprocess.Popen([sys.executable, "-m", "oxygen_ros.bringup", "--demo", "--openpi-port", "0",
                              "--duration", "90"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []

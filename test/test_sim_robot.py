@@ -268,7 +268,9 @@ def ros_context():
 
     faulthandler.dump_traceback_later(120, exit=True)  # last resort: never hang the test run
     context = rclpy.Context()
-    rclpy.init(context=context, domain_id=100 + os.getpid() % 100)
+    from ros_harness import private_domain
+
+    rclpy.init(context=context, domain_id=private_domain(1))
     executor = SingleThreadedExecutor(context=context)
     thread = threading.Thread(target=executor.spin, daemon=True, name="sim-robot-test-executor")
     nodes = []
