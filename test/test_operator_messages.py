@@ -16,7 +16,9 @@ import pytest
 
 from oxygen_ros.bench.adversarial import verdict
 from oxygen_ros.bringup import late_warning
+from oxygen_ros.bench.ctrl_c import SLOWED_START
 from oxygen_ros.engine.capacity import CycleCost, predict
+from oxygen_ros.serve.cli import StopRequest
 from ros_harness import REPO, private_domain
 
 
@@ -69,34 +71,7 @@ def test_ctrl_c_while_the_model_loads_ends_the_start_cleanly(command, started):
     # Stopped by the start's own checks, or (a step that cannot be interrupted, an import on a busy machine)
     # by the grace period: both say so.
     assert (f"{prog}: interrupted while starting: stopped before" in out
-            or f"{prog}: the start did not stop within 1.5 s: exiting now" in out), out
-
-
-# The demo checkpoint (111 tensors) read at `delay` s a tensor: at 0.5 s a load of about a minute, as a
-# full-size π0.5's.
-SLOW_LOAD = """
-import sys, time
-from oxygen_ros.model import checkpoint
-open_file = checkpoint._open
-
-class Slow:
-    def __init__(self, handle):
-        self.handle = handle
-    def __enter__(self):
-        return self
-    def __exit__(self, *exc):
-        return self.handle.__exit__(*exc)
-    def __getattr__(self, name):
-        return getattr(self.handle, name)
-    def get_tensor(self, key):
-        time.sleep({delay})
-        return self.handle.get_tensor(key)
-
-checkpoint._open = lambda f: Slow(open_file(f))
-from oxygen_ros.{module} import main
-sys.argv[0] = "{module}"
-raise SystemExit(main(sys.argv[1:]))
-"""
+            or f"{prog}: the start did not stop within {StopRequest.START_GRACE_S:g} s: exiting now" in out), out
 
 
 @pytest.mark.parametrize("module, args", [("bringup", ["--demo", "--duration", "120", "--status-period", "0"]),
@@ -105,7 +80,7 @@ def test_ctrl_c_during_a_slow_load_stops_the_load(module, args):
     """SIGINT once the (slowed, minute-long) load has begun: the load stops at its next tensor, no capacity
     is measured, and the process ends long before the load would have (bound 15 s, for a loaded machine:
     measured 0.6-1.6 s; the bug's run read every remaining tensor, then measured the capacity)."""
-    process = Process(["-c", SLOW_LOAD.format(module=module, delay=0.5), *args], private_domain(65), python=())
+    process = Process(["-c", SLOWED_START.format(module=module, tensor_s=0.5), *args], private_domain(65), python=())
     prog = "oxygen_bringup" if module == "bringup" else "oxygen_serve"
     assert process.wait_for("[oxygen_engine]: loading model demo from", 120), process.finish(5)[1]
     time.sleep(1.0)                                   # a few tensors in
