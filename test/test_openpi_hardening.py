@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 import tracemalloc
+from types import SimpleNamespace
 
 import msgpack
 import numpy as np
@@ -25,6 +26,7 @@ from test_openpi_serve import aloha_obs, base_engine, client, droid_obs, served
 
 from oxygen_ros.serve import protocol
 from oxygen_ros.serve.cli import add_bringup_arguments, bringup_problems, parse_args, server_options
+from oxygen_ros.serve.layouts import LAYOUTS
 from oxygen_ros.serve.limits import CpuShare, Doorway, PeerFailures
 from oxygen_ros.serve.protocol import MAX_DEPTH, MAX_OBJECTS, ProtocolError, scan, unpack
 
@@ -404,6 +406,104 @@ def test_a_clients_share_of_the_cpu_pays_back_its_messages_cost():
     with pytest.raises(ProtocolError):
         pace.timed(refuse)
     assert pace.wait_s() >= 0.06
+
+
+def _costly_preparation(monkeypatch, template, costly_s: float) -> None:
+    """The template's conversion of an observation prompted "costly" takes `costly_s`, any other 0.01 s, on
+    the wall clock the engine's intake times conversions with (simulated: the charges are exact)."""
+    from oxygen_ros.engine import intake
+
+    wall = [0.0]
+    monkeypatch.setattr(intake, "time", SimpleNamespace(perf_counter=lambda: wall[0]))
+    real = template.prepare
+
+    def prepare(obs):
+        wall[0] += costly_s if obs.prompt == "costly" else 0.01
+        return real(obs)
+    monkeypatch.setattr(template, "prepare", prepare)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["inline", "preparer_thread"])
+def test_a_clients_frame_preparation_is_charged_to_its_share_and_to_no_one_elses(monkeypatch, ahead):
+    """Issue 40: the engine's conversion of a client's observation (resize_with_pad of 30 MB images) was
+    charged to nobody, and two such senders slowed another client's chunks tenfold. Each conversion, on the
+    engine thread or the preparer thread, refused or not, is charged to the share of the client whose
+    observation it was: not to another client, not for the engine's own robot, not after the client left."""
+    from oxygen_ros.serve.clients import EngineHub
+
+    engine = base_engine("droid", prepare_ahead=ahead)
+    _costly_preparation(monkeypatch, engine.preparer, costly_s=2.0)
+    for robot in ("openpi_0", "openpi_1"):
+        engine.add_robot(robot, engine.preparer)
+    hub = EngineHub(engine)
+    now = [100.0]
+    shares = {robot: CpuShare(0.25, clock=lambda: now[0]) for robot in ("openpi_0", "openpi_1")}
+    for robot, share in shares.items():
+        hub.join(robot, share)
+    conversions, cv = [], threading.Condition()
+
+    def converted(robot, seconds):              # after the hub's listener: its charge is made by then
+        with cv:
+            conversions.append(robot)
+            cv.notify_all()
+    engine.add_prepare_listener(converted)
+    rng = np.random.default_rng(17)
+
+    def convert(robot: str, prompt: str, bad: bool = False) -> None:
+        obs = LAYOUTS["droid"].observation(droid_obs(rng, prompt=prompt), time.monotonic())
+        if bad:                                  # refused by the conversion (not uint8), after its work
+            for slot, image in obs.images.items():
+                if image is not None:
+                    obs.images[slot] = image.astype(np.float32)
+        done = len(conversions) + 1
+        if ahead:
+            engine.submit_observation(obs, robot=robot)
+            with cv:
+                assert cv.wait_for(lambda: len(conversions) >= done, 30), f"{robot}'s observation never converted"
+        else:
+            engine.run_frames({robot: obs})
+        assert conversions[done - 1] == robot
+
+    if ahead:
+        engine.start()
+    try:
+        convert("openpi_0", "costly")
+        assert shares["openpi_0"].wait_s() == pytest.approx(6.0)          # 2 s at a 25% share: 3 x 2 s
+        assert shares["openpi_1"].wait_s() == 0.0
+        convert("openpi_0", "costly", bad=True)
+        _until(lambda: engine.stats.snapshot()["counters"].get("bad_observations"), 30, "the bad one was not refused")
+        assert shares["openpi_0"].wait_s() == pytest.approx(12.0)
+        convert("", "costly")                    # the engine's own robot: no client's
+        convert("openpi_1", "cheap")
+        assert shares["openpi_0"].wait_s() == pytest.approx(12.0)
+        assert shares["openpi_1"].wait_s() == pytest.approx(0.03)
+        hub.leave("openpi_1")
+        convert("openpi_1", "costly")
+        assert shares["openpi_1"].wait_s() == pytest.approx(0.03)
+    finally:
+        assert engine.stop()
+
+
+def test_a_client_waits_for_its_frames_preparation_and_frees_its_slot_at_once_when_it_leaves(monkeypatch):
+    """Through the server: the client whose observation takes 10 s to convert has its next message read 30 s
+    later (share 0.25), the other client's is read at once; the first leaving during that wait frees its
+    slot at once, not when the wait ends."""
+    engine = base_engine("droid")
+    _costly_preparation(monkeypatch, engine.preparer, costly_s=10.0)
+    rng = np.random.default_rng(19)
+    with served("droid", base=engine, max_clients=2) as server:
+        costly, cheap = client(server), client(server)
+        costly.infer(droid_obs(rng, prompt="costly"))
+        cheap.infer(droid_obs(rng))
+        shares = dict(server.hub._shares)
+        assert sorted(shares) == ["openpi_0", "openpi_1"]
+        assert shares["openpi_0"].wait_s() > 25.0, "30 s, less the moments since the conversion"
+        assert shares["openpi_1"].wait_s() < 25.0, "0.03 s, plus 3 x its receiving and decoding"
+        assert cheap.infer(droid_obs(rng))["actions"].shape == (15, 8)
+        costly._ws.close()
+        # At once; the bound only leaves slack for a loaded machine (the wait it interrupts is 30 s).
+        _until(lambda: server.slots.in_use == 1, 10.0, "the slot was held for the client's wait")
+        assert sorted(server.hub._shares) == ["openpi_1"]
 
 
 def test_a_question_answered_after_the_server_stopped_raises_nothing_on_the_engine_thread():

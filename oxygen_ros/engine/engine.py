@@ -62,10 +62,11 @@ class Engine:
                                    lambda: self.clock(), ())
         self.prepare_ahead = self.config.prepare_ahead if self.config.prepare_ahead is not None else \
             runner.model.device.type == "cuda"
-        self._intake = Intake(())
-        self._preparer_thread = PreparerThread(self._intake, lambda r: self.preparers.get(r), lambda: self.clock())
         (self._chunk_listeners, self._caption_listeners, self._frame_listeners, self._discard_listeners,
-         self._language_listeners) = (Listeners(self.stats) for _ in range(5))
+         self._language_listeners, self._prepare_listeners) = (Listeners(self.stats) for _ in range(6))
+        self._intake = Intake(())
+        self._preparer_thread = PreparerThread(self._intake, lambda r: self.preparers.get(r), lambda: self.clock(),
+                                               self._prepare_listeners)
         # The frame's tasks, in cycle order (tasks/): each owns its state.
         self.hierarchy = HierarchyTask(runner, tokenizer, self.config, text_format, self.scheduler.submit, self.stats,
                                        lambda: self.clock(), self._language_listeners)
@@ -162,6 +163,9 @@ class Engine:
 
     def add_discard_listener(self, fn: Callable[[str, str], None]) -> None:     # (robot, why): no chunk
         self._discard_listeners.add(fn)
+
+    def add_prepare_listener(self, fn: Callable[[str, float], None]) -> None:   # (robot, seconds): see intake.py
+        self._prepare_listeners.add(fn)       # also on the preparer thread: every conversion, used or not
 
     def add_language_listener(self, fn: Callable[[LanguageUpdate], None]) -> None:   # hierarchy texts
         self._language_listeners.add(fn)
@@ -365,7 +369,7 @@ class Engine:
             return None
         index, self._frame_index = self._frame_index, self._frame_index + 1
         try:
-            frame = pending.frame(robot, index, preparer, self.frame_noise, self.clock, report)
+            frame = pending.frame(robot, index, preparer, self.frame_noise, self.clock, report, self._prepare_listeners)
         except InputError as e:
             self.stats.count("bad_observations")
             self.stats.count_robot(robot, "bad_observations")

@@ -17,6 +17,10 @@ start to the predicted end of that cycle minus the predicted conversion time: th
 then as fresh as the conversion allows, not a cycle old. Between cycles (`not_before` = now) it converts
 at once.
 
+Every conversion, on either thread, used or not (a newer observation may replace it before a cycle takes
+it), accepted or refused, reports what it cost its robot (`on_prepared(robot, seconds)`, wall time on the
+converting thread): a server charges it to the client that sent the observation (serve/clients.py).
+
 Per robot, it also keeps the newest frame whose chunk was delivered (its prepared inputs, small; `keep`): a
 question asked after a robot's last frame (a paused camera, or a client that waits for its reply before it
 sends its next observation) is answered about that frame when no newer one comes (`reusable`).
@@ -56,17 +60,21 @@ class Pending:
     prepare_s: float = 0.0                      # what the preparation cost (either thread)
 
     def frame(self, robot: str, index: int, preparer: FramePreparer, frame_noise: Callable[[int], torch.Tensor],
-              clock: Callable[[], float], report) -> Frame:
+              clock: Callable[[], float], report, on_prepared: Callable[[str, float], None]) -> Frame:
         """Its robot's frame of a cycle: the inputs made ahead (counted in the cycle's `report`), else made
-        here (timed into it); its noise, else the frame's own. Raises InputError for a bad observation."""
+        here (timed into it, and reported to `on_prepared` even when refused); its noise, else the frame's own.
+        Raises InputError for a bad observation."""
         if self.error is not None:
             raise self.error
         if self.prepared is not None:
             prepared = self.prepared
             report.prepared_ahead += 1
         else:
-            t = clock()
-            prepared = preparer.prepare(self.obs)
+            t, start = clock(), time.perf_counter()
+            try:
+                prepared = preparer.prepare(self.obs)
+            finally:
+                on_prepared(robot, time.perf_counter() - start)
             report.prepare_s += clock() - t
         noise = frame_noise(index) if self.noise is None else \
             torch.as_tensor(np.asarray(self.noise), dtype=torch.float32)
@@ -199,8 +207,9 @@ class PreparerThread:
     """Converts each robot's newest raw observation into model inputs ahead of the cycle (see above)."""
 
     def __init__(self, intake: Intake, preparer_of: Callable[[str], FramePreparer | None], clock: Callable[[], float],
-                 smoothing: float = 0.3):
+                 on_prepared: Callable[[str, float], None] = lambda robot, seconds: None, smoothing: float = 0.3):
         self.intake, self.preparer_of, self.clock, self.smoothing = intake, preparer_of, clock, smoothing
+        self.on_prepared = on_prepared
         self.not_before = float("-inf")             # engine clock; set by the engine (see the module docstring)
         self._cycle = 0                              # frame cycles started so far
         self._converted: dict[str, int] = {}         # the cycle in which each robot was last converted
@@ -273,6 +282,7 @@ class PreparerThread:
                 log.exception("frame preparation failed")
                 item = replace(raw, error=InputError(f"preparation failed: {type(e).__name__}: {e}"))
             spent = time.perf_counter() - t
+            self.on_prepared(robot, spent)
             with cv:
                 self._prepare_s[robot] = _ema(self._prepare_s.get(robot, 0.0), spent, self.smoothing)
             self.conversions += 1

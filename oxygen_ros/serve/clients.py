@@ -9,7 +9,9 @@ observations they were computed from: a client has at most one observation in fl
 request/reply), the engine's frame listener says which frame index it became (and in which cycle, with how
 many other frames), its chunk listener delivers the chunk of that frame index. A frame the engine
 discards (a bad observation, non-finite actions, a failed output transform: the engine's discard listener)
-fails the client's wait with the reason instead of leaving it waiting.
+fails the client's wait with the reason instead of leaving it waiting. What the engine spends converting a
+client's observation into model inputs (resizing its images: the engine's prepare listener) is charged to
+that client's `CpuShare`, as its receiving and decoding are: a client sending huge images waits for them.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 from oxygen_ros.engine.engine import ChunkResult, Engine
 from oxygen_ros.engine.frames import FramePreparer
 from oxygen_ros.robot.sync import Observation
+
+from .limits import CpuShare
 
 CLIENT_PREFIX = "openpi_"
 
@@ -49,7 +53,8 @@ class Ticket:
 
 
 class EngineHub:
-    """The engine's listeners, shared by every client: frame announcements and chunks to tickets."""
+    """The engine's listeners, shared by every client: frame announcements and chunks to tickets, preparation
+    costs to the clients' shares."""
 
     _CYCLES_KEPT = 256
 
@@ -57,12 +62,23 @@ class EngineHub:
         self.engine = engine
         self._lock = threading.Lock()
         self._tickets: dict[str, Ticket] = {}             # robot -> its observation in flight
+        self._shares: dict[str, CpuShare] = {}            # robot -> its client's share of the server's time
         self._cycle_frames: collections.OrderedDict[int, int] = collections.OrderedDict()
         engine.add_frame_listener(self._on_frame)
         engine.add_chunk_listener(self._on_chunk)
         engine.add_discard_listener(self.fail)
+        engine.add_prepare_listener(self._on_prepared)
 
     # ------------------------------------------------------------------ event loop side
+    def join(self, robot: str, share: CpuShare) -> None:
+        """A client is the engine's `robot`: what preparing its observations costs is charged to `share`."""
+        with self._lock:
+            self._shares[robot] = share
+
+    def leave(self, robot: str) -> None:
+        with self._lock:
+            self._shares.pop(robot, None)
+
     def submit(self, robot: str, obs: Observation) -> Ticket:
         """Hand a client's observation to the engine; await `ticket.future` for its Computed."""
         loop = asyncio.get_running_loop()
@@ -108,6 +124,12 @@ class EngineHub:
             for ticket in self._tickets.values():
                 if ticket.obs is obs:
                     ticket.frame_index, ticket.cycle = index, cycle
+
+    def _on_prepared(self, robot: str, seconds: float) -> None:
+        with self._lock:
+            share = self._shares.get(robot)
+        if share is not None:               # else not a client's robot (the bringup's own), or it left
+            share.charge(seconds)
 
     def _on_chunk(self, chunk: ChunkResult) -> None:
         with self._lock:

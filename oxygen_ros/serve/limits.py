@@ -11,8 +11,9 @@ websocket, a gRPC one) takes the same pieces:
     right key is still admitted: failures are limited, not attempts;
   - `OneDecoder`: one thread that decodes client messages one at a time, so that concurrent large
     messages never pile up on the interpreter beside the engine's thread;
-  - `CpuShare`: a client's next message read only once its last one's decoding time is paid back, so that
-    one client sending large messages as fast as it can takes a bounded share of the CPU.
+  - `CpuShare`: a client's next message read only once its last one's receiving, decoding and preparing
+    time is paid back, so that one client sending large messages as fast as it can takes a bounded share
+    of the CPU.
 """
 from __future__ import annotations
 
@@ -165,16 +166,19 @@ class CpuShare:
     loaded machine's slower work counts as what it costs the others), the client's next message is not read
     for `busy_s * (1 / share - 1)` (it waits in the socket, then in TCP): its messages hold the server at most
     `share` of the time whatever it sends. A robot's messages take milliseconds: the pause is far below its
-    control period, and over by the time its next message comes (it waits for its reply first)."""
+    control period, and over by the time its next message comes (it waits for its reply first). Charged from
+    any thread: the event loop, the decoder, the engine's preparer."""
 
     def __init__(self, share: float, clock: Callable[[], float] = time.monotonic):
         self.share, self.clock = share, clock
         self._resume_at = -math.inf
+        self._lock = threading.Lock()
 
     def charge(self, busy_s: float) -> None:
         """A message of this client held the server `busy_s` more: its next one waits that much longer (from
         now at least: an idle client banks no credit)."""
-        self._resume_at = max(self._resume_at, self.clock()) + busy_s * (1.0 / self.share - 1.0)
+        with self._lock:
+            self._resume_at = max(self._resume_at, self.clock()) + busy_s * (1.0 / self.share - 1.0)
 
     def timed(self, fn: Callable[..., T], *args) -> T:
         """fn(*args), charged with the time it ran (on the thread that runs it: no queueing before it counted),

@@ -116,7 +116,8 @@ class CountedConnection(ServerConnection):
     def __init__(self, server: "OpenpiServer", *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.openpi, self.refusal = server, ""
-        self.pace = CpuShare(server.options.client_time_share)    # its receiving, decoding and preparing
+        # Its receiving, decoding and layout transform (charged here), its frames' preparation (by the EngineHub)
+        self.pace = CpuShare(server.options.client_time_share)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -304,7 +305,7 @@ class OpenpiServer:
         try:
             await ws.send(pack(self.metadata(robot)))
             while True:
-                await asyncio.sleep(session.pace.wait_s())
+                await session.paced()
                 data = await ws.recv()
                 reply = await session.answer(data)
                 await ws.send(reply)
@@ -341,6 +342,16 @@ class ClientSession:
         self._work: asyncio.Future | None = None         # the message being answered
         self._requests: set = set()                      # its questions' handles not yet answered
         self.pace = ws.pace
+        self.hub.join(robot, self.pace)
+
+    async def paced(self) -> None:
+        """Until the client's share of the server's time lets its next message be read (charges may still come
+        meanwhile: a message it sent ahead); ClientGone as soon as the connection closes (its slot is freed at
+        once, not after the wait)."""
+        while (wait := self.pace.wait_s()) > 0:
+            await asyncio.wait({self._closed}, timeout=wait)
+            if self._closed.done():
+                raise ClientGone()
 
     async def answer(self, data) -> bytes | str:
         """One message -> the reply bytes, or an error text for the client to raise; ClientGone as soon as the
@@ -489,6 +500,7 @@ class ClientSession:
     def end(self) -> None:
         """The connection is gone: stop waiting for anything on its behalf, cancel its unanswered questions
         (after ClientSlots.release, which ended them with the reason; this is for any still running)."""
+        self.hub.leave(self.robot)
         self._closed.cancel()
         for handle in list(self._requests):
             handle.cancel()
