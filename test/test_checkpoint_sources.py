@@ -3,6 +3,7 @@ huggingface_hub's own code against a hub API served on 127.0.0.1 (HF_ENDPOINT), 
 against a local folder registered as the `gs` filesystem, and every refusal in one line."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.server
 import json
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import urllib.parse
+from dataclasses import replace
 from pathlib import Path
 
 import fsspec
@@ -21,7 +23,8 @@ from fsspec.registry import _registry
 
 from oxygen_ros.model import download
 from oxygen_ros.model.config import GemmaConfig, Pi05Config, VisionConfig
-from oxygen_ros.model.download import (CheckpointName, is_remote, parse_name, progress_line, resolve_checkpoint)
+from oxygen_ros.model.download import (NORM_STATS, CheckpointName, is_remote, parse_name, progress_line,
+                                      resolve_checkpoint)
 from oxygen_ros.model.files import CheckpointError
 
 DATA = Path(__file__).parent / "data"
@@ -39,10 +42,11 @@ class FakeHub:
     """The part of the hub's HTTP API huggingface_hub's snapshot_download and model_info use: repo info with
     file metadata, the recursive tree, and files under /resolve/ (HEAD, GET, Range). Repos are folders;
     `gated` answer 403 GatedRepo, unknown ones 404 RepoNotFound, unknown revisions 404 RevisionNotFound.
-    `damage` serves a file with other bytes than its listed hash (same size)."""
+    `damage` serves a file with other bytes than its listed hash (same size); `hold`: file -> an Event its GET
+    waits for before it is answered (a download still running)."""
 
-    def __init__(self, repos: dict[str, Path], gated=(), damage=()):
-        self.repos, self.gated, self.damage = repos, set(gated), set(damage)
+    def __init__(self, repos: dict[str, Path], gated=(), damage=(), hold=None):
+        self.repos, self.gated, self.damage, self.hold = repos, set(gated), set(damage), dict(hold or {})
         self.revisions = {"main": COMMIT, COMMIT: COMMIT, "v1": OTHER_COMMIT, OTHER_COMMIT: OTHER_COMMIT}
         self.downloads: list[str] = []
         hub = self
@@ -116,6 +120,8 @@ class FakeHub:
             return self.json(handler, tree)
         if kind != "resolve" or rest not in self.files(repo):
             return self.error(handler, 404, "EntryNotFound")
+        if body and rest in self.hold:
+            self.hold[rest].wait(60)
         data = self.content(repo, rest)
         start = 0
         if handler.headers.get("Range", "").startswith("bytes="):
@@ -286,13 +292,60 @@ def test_progress_is_logged_while_a_download_runs_and_quiet_on_a_terminal():
         done.set()
         return 1000
 
-    with download._Progress("x/y", 4000, count, said.append, period_s=0.01, terminal=False):
+    with download._Progress("x/y", said.append, period_s=0.01, terminal=False).downloading(4000, count):
         assert done.wait(10)
     assert said and said[0].startswith("x/y: 1.0 kB of 4.0 kB (25%)")
     said.clear()
-    with download._Progress("x/y", 4000, count, said.append, period_s=0.01, terminal=True) as p:
-        assert p.quiet
+    with download._Progress("x/y", said.append, period_s=0.01, terminal=True).downloading(4000, count):
+        pass
     assert said == []
+
+
+def test_a_watcher_sees_the_download_begin_progress_from_its_own_thread_and_end():
+    """`watch` gets the start at once, then states from the progress thread while the caller is blocked in
+    the download (here: until the watcher has seen two of them), then the end; a watcher that raises is
+    logged and the download goes on."""
+    states, seen_twice, fetched = [], threading.Event(), [0]
+
+    def watch(state):
+        states.append((state, threading.current_thread().name))
+        if sum(s.phase == "downloading" and s.done > 0 for s, _ in states) >= 2:
+            seen_twice.set()
+        if state.phase == "verifying":
+            raise RuntimeError("a watcher's own problem")
+
+    progress = download._Progress("org/name", lambda line: None, watch, watch_period_s=0.01, terminal=True)
+    with progress.downloading(4000, lambda: fetched[0]):
+        fetched[0] = 1000
+        assert seen_twice.wait(10)                 # the caller still in the download
+        fetched[0] = 4000
+    progress.verifying()
+    progress.end()
+    first, during, (last, _) = states[0], states[1:-2], states[-1]
+    assert first[0] == download.DownloadState("org/name", "downloading", 0, 4000)
+    assert first[1] == threading.current_thread().name
+    assert {thread for _, thread in during} == {"checkpoint-download-progress"}
+    assert all(s.phase == "downloading" and s.total == 4000 and s.done in (0, 1000, 4000) for s, _ in during)
+    assert any(s.done == 1000 and s.bytes_per_s > 0 for s, _ in during)
+    assert states[-2][0].phase == "verifying"
+    assert (last.phase, last.done, last.total) == ("done", 4000, 4000)
+
+
+def test_a_fetch_tells_its_watcher_its_end(hub, tmp_path):
+    """From the hub: began, done (with its bytes); again: in the cache; a refusal: failed, with its line."""
+    seen = []
+    resolve_checkpoint("someone/pi05_tiny", watch=seen.append, hub_cache=tmp_path, endpoint=hub.endpoint)
+    phases = [s.phase for s in seen]
+    assert phases[0] == "downloading" and phases[-2:] == ["verifying", "done"], phases
+    total = sum(p.stat().st_size for p in LEROBOT.iterdir() if p.name != "reference.npz")
+    assert 0 < seen[-1].done == seen[-1].total <= total          # (equal statistics files: one blob)
+    seen.clear()
+    resolve_checkpoint("someone/pi05_tiny", watch=seen.append, hub_cache=tmp_path, endpoint=hub.endpoint)
+    assert [s.phase for s in seen] == ["cached"]
+    seen.clear()
+    with pytest.raises(CheckpointError) as e:
+        resolve_checkpoint("nobody/nothing", watch=seen.append, hub_cache=tmp_path, endpoint=hub.endpoint)
+    assert [(s.phase, s.error) for s in seen] == [("failed", str(e.value))]
 
 
 # ----------------------------------------------------------------------------------------- the bucket
@@ -413,7 +466,9 @@ def test_a_damaged_bucket_object_is_refused(bucket, tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------- where names are accepted
 
-def configure_engine_node(checkpoint: str):
+@contextlib.contextmanager
+def engine_node(params: dict):
+    """An EngineNode (tiny model, no nodes around it) with these parameters, in a context of its own."""
     import rclpy
     from rclpy.context import Context
     from rclpy.parameter import Parameter
@@ -422,15 +477,20 @@ def configure_engine_node(checkpoint: str):
 
     context = Context()
     rclpy.init(context=context, args=["test"])
-    node = EngineNode(context=context, check_capacity=False, parameter_overrides=[
-        Parameter("model", value="tiny"), Parameter("checkpoint", value=checkpoint),
-        Parameter("kv_budget_mb", value=8.0)])
+    params = dict({"model": "tiny", "kv_budget_mb": 8.0}, **params)
+    node = EngineNode(context=context, check_capacity=False,
+                      parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
     try:
-        node.trigger_configure()
-        return node.engine is not None, node.failure
+        yield node
     finally:
         node.destroy_node()
         rclpy.shutdown(context=context)
+
+
+def configure_engine_node(checkpoint: str):
+    with engine_node({"checkpoint": checkpoint}) as node:
+        node.trigger_configure()
+        return node.engine is not None, node.failure
 
 
 def test_the_engine_node_takes_a_hub_id_as_its_checkpoint(tmp_path, monkeypatch):
@@ -469,3 +529,159 @@ def test_a_disk_filling_up_during_the_download_is_one_line(hub, tmp_path, monkey
                                               r"free space or set HF_HUB_CACHE elsewhere") as e:
         resolve_checkpoint("someone/pi05_tiny", hub_cache=tmp_path, endpoint=hub.endpoint)
     assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------- the fetch in /diagnostics
+
+def test_a_fetch_reads_in_diagnostics_as_an_operator_needs_it():
+    from diagnostic_msgs.msg import DiagnosticStatus
+
+    from oxygen_ros.model.download import DownloadState
+    from oxygen_ros.nodes.download_status import Downloads, report
+
+    running = DownloadState("org/name", "downloading", 3_200_000_000, 14_500_000_000, 78.0, 1.0)
+    level, message, values = report(running)
+    assert level == DiagnosticStatus.OK
+    assert message == "downloading org/name: 3.2 GB of 14.5 GB (22%), 41.0 MB/s, ETA 5 min"
+    assert (values["bytes_done"], values["bytes_total"], values["bytes_per_s"], values["seconds_left"]) == \
+        (3_200_000_000, 14_500_000_000, 41_025_641, 275)
+    level, message, _ = report(replace(running, idle_s=45.0))
+    assert level == DiagnosticStatus.WARN and message == "downloading org/name: no data for 45 s (3.2 GB of 14.5 GB)"
+    level, message, _ = report(replace(running, phase="done", done=14_500_000_000, elapsed_s=354.0))
+    assert level == DiagnosticStatus.OK and message == "downloaded org/name: 14.5 GB in 6 min (41.0 MB/s)"
+    assert report(DownloadState("org/name", "cached"))[1] == "org/name: in the cache, nothing to download"
+    level, message, _ = report(replace(running, phase="failed", error="org/name: download failed (...)"))
+    assert level == DiagnosticStatus.ERROR and message == "org/name: download failed (...)"
+    downloads = Downloads()
+    downloads.update("oxygen_ros: checkpoint download", running)
+    downloads.update("oxygen_ros: norm_stats download", DownloadState("org/stats", "cached"))
+    downloads.update("oxygen_ros: checkpoint download", replace(running, done=3_300_000_000))
+    assert [(name, values["bytes_done"]) for name, _, _, values in downloads.reports()] == [
+        ("oxygen_ros: checkpoint download", 3_300_000_000), ("oxygen_ros: norm_stats download", 0)]
+
+
+class Published:
+    """Stands in for the engine node's /diagnostics publisher: each message's download statuses, with the
+    thread that published it."""
+
+    def __init__(self):
+        self.messages, self.lock = [], threading.Lock()
+
+    def publish(self, msg):
+        downloads = [(s.name, s.level, s.message, {v.key: v.value for v in s.values})
+                     for s in msg.status if s.name.endswith(" download")]
+        with self.lock:
+            self.messages.append((threading.current_thread().name, downloads))
+
+    def statuses(self, name: str):
+        with self.lock:
+            return [(thread, s) for thread, statuses in self.messages for s in statuses if s[0] == name]
+
+
+def test_the_engine_node_publishes_the_download_while_configure_blocks(tmp_path, monkeypatch):
+    """configure holds the executor (and oxygen_bringup configures before any executor spins): the download's
+    progress reaches /diagnostics from the download's own thread, while configure is still in the download
+    (the hub holds the weights until the test has seen it), then its end, kept after configure."""
+    from diagnostic_msgs.msg import DiagnosticStatus
+    from huggingface_hub import constants
+
+    from oxygen_ros.model.checkpoint import init_random_weights, save_checkpoint
+    from oxygen_ros.model.config import preset
+    from oxygen_ros.model.pi05 import Pi05
+
+    save_checkpoint(init_random_weights(Pi05(preset("tiny"))), tmp_path / "repo", fmt="lerobot")
+    weights = threading.Event()
+    fake = FakeHub({"someone/pi05_tiny": tmp_path / "repo"}, hold={"model.safetensors": weights})
+    monkeypatch.setenv("HF_ENDPOINT", fake.endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setattr(download, "WATCH_PERIOD_S", 0.05)
+    name = "oxygen_ros: checkpoint download"
+    try:
+        with engine_node({"checkpoint": "someone/pi05_tiny"}) as node:
+            node._diag_pub = published = Published()
+            configure = threading.Thread(target=node.trigger_configure)
+            configure.start()
+            try:
+                for _ in range(600):          # a guard against a hang, not a timing: 60 s
+                    if len([t for t, s in published.statuses(name) if t == "checkpoint-download-progress"]) >= 2:
+                        break
+                    weights.wait(0.1)
+                during = published.statuses(name)
+                assert configure.is_alive()
+            finally:
+                weights.set()
+                configure.join(120)
+            assert node.engine is not None, node.failure
+            node._publish_diagnostics()                     # the timer's publication after configure
+    finally:
+        fake.close()
+    assert len([t for t, _ in during if t == "checkpoint-download-progress"]) >= 2, during
+    for _, (_, level, message, values) in during:
+        assert level == DiagnosticStatus.OK and message.startswith("downloading someone/pi05_tiny: "), message
+        assert values["phase"] == "downloading" and int(values["bytes_total"]) > 0
+    final = [s for _, s in published.statuses(name)][-2:]
+    size = (tmp_path / "hf" / "models--someone--pi05_tiny" / "snapshots" / COMMIT / "model.safetensors").stat().st_size
+    for _, level, message, values in final:                 # configure's own last, then the timer's
+        assert level == DiagnosticStatus.OK and message.startswith("downloaded someone/pi05_tiny: ")
+        assert values["phase"] == "done" and int(values["bytes_done"]) == size
+
+
+def norm_stats_json(value: float, dims: int = 8) -> str:
+    return json.dumps({"norm_stats": {"actions": {"mean": [value] * dims, "std": [0.0] * dims,
+                                                  "q01": [value] * dims, "q99": [value] * dims}}})
+
+
+def test_a_fleet_robots_own_remote_norm_stats_are_fetched_as_the_engines(bucket, tmp_path, monkeypatch):
+    """A fleet robot's norm_stats named by a hub id (a repo of statistics: its weights stay on the hub) or a
+    gs:// URL (openpi's statistics of an asset) is fetched as the engine's own norm_stats, its download in
+    /diagnostics as that robot's; a refusal is the download's line, named with its robot."""
+    from huggingface_hub import constants
+
+    stats_repo = tmp_path / "stats_repo"
+    (stats_repo / "assets" / "droid").mkdir(parents=True)
+    (stats_repo / "assets" / "droid" / "norm_stats.json").write_text(norm_stats_json(0.25))
+    (stats_repo / "model.safetensors").write_bytes(b"weights the statistics do not need")
+    (bucket / "assets" / "tiny" / "norm_stats.json").write_text(norm_stats_json(0.5))
+    fake = FakeHub({"someone/droid_stats": stats_repo})
+    monkeypatch.setenv("HF_ENDPOINT", fake.endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("OPENPI_DATA_HOME", str(tmp_path / "openpi"))
+    fleet = {"robots": ["arm_a", "arm_b"], "arm_a.robot_config": "droid", "arm_a.norm_stats": "someone/droid_stats",
+             "arm_b.robot_config": "droid",
+             "arm_b.norm_stats": "gs://openpi-assets/checkpoints/pi05_tiny/assets/tiny/norm_stats.json"}
+    try:
+        with engine_node(fleet) as node:
+            node._diag_pub = published = Published()
+            node.trigger_configure()
+            assert node.engine is not None, node.failure
+            io = {robot: node.engine.preparers[robot].io.description for robot in ("arm_a", "arm_b")}
+            downloads = {robot: [s[2] for _, s in published.statuses(f"oxygen_ros: {robot} norm_stats download")]
+                         for robot in ("arm_a", "arm_b")}
+        assert fake.downloads == ["assets/droid/norm_stats.json"]
+        with engine_node(dict(fleet, **{"arm_b.norm_stats": "nobody/nothing"})) as node:
+            node.trigger_configure()
+            failure = node.failure
+    finally:
+        fake.close()
+    assert str(tmp_path / "hf" / "models--someone--droid_stats" / "snapshots" / COMMIT) in io["arm_a"]
+    assert str(tmp_path / "openpi" / "openpi-assets" / "checkpoints" / "pi05_tiny" / "assets" / "tiny") in io["arm_b"]
+    assert downloads["arm_a"][-1].startswith("downloaded someone/droid_stats: ")
+    assert downloads["arm_b"][-1].startswith("downloaded gs://openpi-assets/checkpoints/pi05_tiny/assets/tiny/")
+    assert node.engine is None
+    assert failure.startswith("arm_b.norm_stats: nobody/nothing: no such repo on the hub") and "\n" not in failure
+
+
+def test_norm_stats_alone_are_refused_where_a_repo_has_none(hub_repo, tmp_path):
+    """The statistics' own refusal (not "no weights"), before anything is downloaded."""
+    for f in list(hub_repo.iterdir()):
+        if f.name != "model.safetensors":
+            f.unlink()
+    fake = FakeHub({"someone/weights_only": hub_repo})
+    try:
+        with pytest.raises(CheckpointError, match=r"someone/weights_only: holds no norm statistics \(norm_stats.json, "
+                                                  r"assets/<asset_id>/norm_stats.json or LeRobot's processor "
+                                                  r"statistics\); it has nothing the loader reads"):
+            resolve_checkpoint("someone/weights_only", wanted=NORM_STATS, hub_cache=tmp_path, endpoint=fake.endpoint)
+        assert fake.downloads == []
+    finally:
+        fake.close()

@@ -12,14 +12,18 @@ oxygen_serve, a params file), by one of:
   layout (`$OPENPI_DATA_HOME` or ~/.cache/openpi, `<bucket>/<path>`), under the same file lock, through
   `<path>.partial`, so that an openpi user's cache is reused and shared.
 
-Only the files the loader reads are fetched from the hub (HUB_FILES). Nothing is used before it is verified:
+Only the files the loader reads are fetched from the hub (CHECKPOINT's, or NORM_STATS' for statistics alone).
+Nothing is used before it is verified:
 every file's size against the listing, and a hub file's sha256 (git-lfs) or a bucket object's md5 when this
 call downloaded it. Problems are one-line CheckpointErrors: a missing or gated repo, a wrong revision, no
-network (with the cache folder to fill by hand), too little disk.
+network (with the cache folder to fill by hand), too little disk. Whoever shows the fetch elsewhere (the engine
+node's /diagnostics) passes `watch`: it gets a DownloadState when the download begins, every WATCH_PERIOD_S
+from a thread of its own while it runs (the caller is blocked in the download) and once at the end.
 """
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import fnmatch
 import hashlib
@@ -32,21 +36,40 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .files import CheckpointError
 
 log = logging.getLogger(__name__)
 
-# The files of a hub checkpoint the loader reads: LeRobot's policy folder (weights, config, processor configs
-# and their statistics), a PEFT adapter, openpi's norm statistics and params/ (a JAX checkpoint on the hub).
-HUB_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "model-*-of-*.safetensors",
-             "policy_preprocessor.json", "policy_postprocessor.json", "policy_*processor*.safetensors",
-             "adapter_config.json", "adapter_model.safetensors", "norm_stats.json", "assets/*/norm_stats.json",
-             "params/*", "_CHECKPOINT_METADATA")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "params/*")
+
+@dataclass(frozen=True)
+class Wanted:
+    """What a name is fetched for: the hub files fetched (`files`, fnmatch patterns, `*` spans folders), and
+    what must be among them (one of `required`, else a refusal that says `holds`)."""
+    files: tuple[str, ...]
+    required: tuple[str, ...]
+    holds: str
+
+
+# The statistics a norm_stats name reads: openpi's norm_stats.json (assets/<asset_id>/, an asset id may hold a
+# slash), a LeRobot policy folder's processor configs and statistics, its config.json (the modes it names).
+STATISTICS_FILES = ("norm_stats.json", "assets/*/norm_stats.json", "policy_preprocessor.json",
+                    "policy_postprocessor.json", "policy_*processor*.safetensors")
+# A checkpoint: LeRobot's policy folder (weights, config, processors), a PEFT adapter, openpi's statistics and
+# params/ (a JAX checkpoint on the hub).
+CHECKPOINT = Wanted(
+    files=("config.json", "model.safetensors", "model.safetensors.index.json", "model-*-of-*.safetensors",
+           "adapter_config.json", "adapter_model.safetensors", "params/*", "_CHECKPOINT_METADATA") + STATISTICS_FILES,
+    required=("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "params/*"),
+    holds="π0.5 weights (model.safetensors, a PEFT adapter or openpi's params/)")
+# Norm statistics alone (the weights stay on the hub: a robot's statistics never cost a checkpoint's download).
+NORM_STATS = Wanted(files=("config.json",) + STATISTICS_FILES, required=STATISTICS_FILES,
+                    holds="norm statistics (norm_stats.json, assets/<asset_id>/norm_stats.json or LeRobot's "
+                          "processor statistics)")
 PROGRESS_PERIOD_S = 5.0      # one progress line this often in logs (a terminal shows the bar instead)
+WATCH_PERIOD_S = 2.5         # a DownloadState this often to `watch` (PROGRESS_PERIOD_S is a multiple of it)
 OPENPI_DATA_HOME = "OPENPI_DATA_HOME"
 _HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(@(?P<revision>[\w./-]+))?$")
 
@@ -82,26 +105,62 @@ def parse_name(name: str | os.PathLike) -> CheckpointName:
 
 
 def is_remote(name: str | os.PathLike) -> bool:
-    return parse_name(name).kind != "local"
+    """Whether `name` is fetched (a hub id or a gs:// URL, a malformed one too: fetching it says what is wrong)."""
+    try:
+        return parse_name(name).kind != "local"
+    except CheckpointError:
+        return True
+
+
+@dataclass(frozen=True)
+class DownloadState:
+    """Where the fetch of one name stands."""
+    name: str
+    phase: str                # downloading | verifying | done (fetched, verified) | cached (nothing to fetch) | failed
+    done: int = 0             # bytes this run fetched so far
+    total: int = 0            # bytes this run fetches
+    elapsed_s: float = 0.0    # since the download began
+    idle_s: float = 0.0       # since the byte count last grew (a stalled connection grows this)
+    error: str = ""           # why it failed (the CheckpointError's line)
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.done / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def left_s(self) -> float | None:
+        """Seconds left at the mean rate so far; None before a byte came."""
+        rate = self.bytes_per_s
+        return max(self.total - self.done, 0) / rate if rate > 0 else None
 
 
 def resolve_checkpoint(name: str | os.PathLike, say: Callable[[str], None] = log.info, *,
+                       wanted: Wanted = CHECKPOINT, watch: Callable[[DownloadState], None] | None = None,
                        hub_cache: str | Path | None = None, endpoint: str | None = None,
                        openpi_cache: str | Path | None = None) -> Path:
-    """The local folder (or file) of the checkpoint `name`, fetched and verified first when it is remote.
-    `say` gets what is fetched and, in logs, a progress line every PROGRESS_PERIOD_S. `hub_cache`, `endpoint`
-    and `openpi_cache` default to huggingface_hub's and openpi's own settings (environment variables)."""
+    """The local folder (or file) of the checkpoint `name` (or, with `wanted=NORM_STATS`, of its statistics),
+    fetched and verified first when it is remote. `say` gets what is fetched and, in logs, a progress line every
+    PROGRESS_PERIOD_S; `watch` gets DownloadStates (module docstring). `hub_cache`, `endpoint` and
+    `openpi_cache` default to huggingface_hub's and openpi's own settings (environment variables)."""
     parsed = parse_name(name)
     if parsed.kind == "local":
         return Path(parsed.location).expanduser()
-    if parsed.kind == "hub":
-        return _fetch_hub(parsed, say, hub_cache, endpoint)
-    return _fetch_bucket(parsed.location, say, openpi_cache)
+    progress = _Progress(str(parsed), say, watch)
+    try:
+        if parsed.kind == "hub":
+            path = _fetch_hub(parsed, wanted, say, progress, hub_cache, endpoint)
+        else:
+            path = _fetch_bucket(parsed.location, wanted, say, progress, openpi_cache)
+    except Exception as e:
+        progress.end(str(e) if isinstance(e, CheckpointError) else f"{parsed}: {type(e).__name__}: {e}")
+        raise
+    progress.end()
+    return path
 
 
 # ---------------------------------------------------------------------------------------------- the hub
 
-def _fetch_hub(name: CheckpointName, say, cache_dir, endpoint) -> Path:
+def _fetch_hub(name: CheckpointName, wanted: Wanted, say, progress: _Progress, cache_dir, endpoint) -> Path:
     import httpx2
     from huggingface_hub import HfApi, constants, snapshot_download, try_to_load_from_cache
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
@@ -131,28 +190,29 @@ def _fetch_hub(name: CheckpointName, say, cache_dir, endpoint) -> Path:
     if listing is None:      # offline: the cache as huggingface_hub left it (sizes were checked when fetched)
         try:
             folder = snapshot_download(name.location, revision=name.revision, cache_dir=cache_dir,
-                                       allow_patterns=list(HUB_FILES), local_files_only=True)
+                                       allow_patterns=list(wanted.files), local_files_only=True)
         except LocalEntryNotFoundError:
             raise CheckpointError(f"{name}: not in the hub cache and the hub cannot be reached: {by_hand}") from None
-        _require_weights(name, [str(p.relative_to(folder)) for p in Path(folder).rglob("*") if p.is_file()])
+        _require(name, wanted, [str(p.relative_to(folder)) for p in Path(folder).rglob("*") if p.is_file()])
         return Path(folder)
 
-    wanted = {s.rfilename: s for s in listing.siblings if _needed(s.rfilename)}
-    _require_weights(name, list(wanted))
-    cached = {f for f in wanted
+    files = {s.rfilename: s for s in listing.siblings if _matches(s.rfilename, wanted.files)}
+    _require(name, wanted, list(files))
+    cached = {f for f in files
               if isinstance(try_to_load_from_cache(name.location, f, cache_dir=cache_dir, revision=listing.sha), str)}
-    missing = sum(wanted[f].size or 0 for f in wanted if f not in cached)
+    missing = sum(files[f].size or 0 for f in files if f not in cached)
     _check_space(Path(cache_dir), missing, name)
     if missing:
-        say(f"{name}: downloading {len(wanted) - len(cached)} file(s), {_human(missing)}, revision "
+        say(f"{name}: downloading {len(files) - len(cached)} file(s), {_human(missing)}, revision "
             f"{listing.sha[:12]} into {repo_folder}")
     try:
         before = _bytes_under(repo_folder / "blobs")
-        with _Progress(str(name), missing, lambda: _bytes_under(repo_folder / "blobs") - before, say):
+        fetching = progress.downloading(missing, lambda: _bytes_under(repo_folder / "blobs") - before)
+        with fetching if missing else contextlib.nullcontext():      # (all cached: the snapshot's folder only)
             # By the name given (not the commit), so that huggingface_hub records the branch or tag in the
             # cache's refs/ for later offline starts.
             folder = Path(snapshot_download(name.location, revision=name.revision, cache_dir=cache_dir,
-                                            allow_patterns=sorted(wanted), endpoint=endpoint))
+                                            allow_patterns=sorted(files), endpoint=endpoint))
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise CheckpointError(f"{name}: the disk of {cache_dir} is full ({_human(missing)} needed): free "
@@ -164,7 +224,9 @@ def _fetch_hub(name: CheckpointName, say, cache_dir, endpoint) -> Path:
     if folder.name != listing.sha:
         raise CheckpointError(f"{name}: the revision moved from {listing.sha[:12]} to {folder.name[:12]} during the "
                               f"download: run again")
-    for file, entry in wanted.items():
+    if missing:
+        progress.verifying()
+    for file, entry in files.items():
         path = folder / file
         lfs = getattr(entry, "lfs", None)
         expected_size = lfs.size if lfs is not None else entry.size
@@ -173,15 +235,14 @@ def _fetch_hub(name: CheckpointName, say, cache_dir, endpoint) -> Path:
     return folder
 
 
-def _needed(file: str) -> bool:
-    return any(fnmatch.fnmatch(file, pattern) for pattern in HUB_FILES)
+def _matches(file: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatch(file, pattern) for pattern in patterns)
 
 
-def _require_weights(name: CheckpointName, files: list[str]) -> None:
-    if not any(fnmatch.fnmatch(f, p) for f in files for p in WEIGHT_FILES):
+def _require(name: CheckpointName, wanted: Wanted, files: list[str]) -> None:
+    if not any(_matches(f, wanted.required) for f in files):
         shown = ", ".join(sorted(files)[:8]) or "nothing the loader reads"
-        raise CheckpointError(f"{name}: holds no π0.5 weights (model.safetensors, a PEFT adapter or openpi's "
-                              f"params/); it has {shown}")
+        raise CheckpointError(f"{name}: holds no {wanted.holds}; it has {shown}")
 
 
 # ------------------------------------------------------------------------------------- openpi's bucket
@@ -191,7 +252,7 @@ def openpi_cache_dir(openpi_cache: str | Path | None = None) -> Path:
     return Path(openpi_cache or os.environ.get(OPENPI_DATA_HOME, "~/.cache/openpi")).expanduser().resolve()
 
 
-def _fetch_bucket(url: str, say, openpi_cache) -> Path:
+def _fetch_bucket(url: str, wanted: Wanted, say, progress: _Progress, openpi_cache) -> Path:
     import filelock
     import fsspec
 
@@ -221,13 +282,14 @@ def _fetch_bucket(url: str, say, openpi_cache) -> Path:
         if not files:
             raise CheckpointError(f"{url}: nothing in the bucket under this path")
         single = set(files) == {""}                # the URL names one object (a tokenizer, a weights file)
-        if not single:
-            _require_weights(CheckpointName("bucket", url), list(files))
+        if not single:        # fetched whole, as openpi does (its cache holds complete folders only)
+            _require(CheckpointName("bucket", url), wanted, list(files))
         total = sum(int(info.get("size") or 0) for info in files.values())
-        _check_space(cache, total - _bytes_under(scratch), CheckpointName("bucket", url))
+        kept = _bytes_under(scratch)              # from an interrupted run
+        _check_space(cache, total - kept, CheckpointName("bucket", url))
         say(f"{url}: downloading {len(files)} file(s), {_human(total)} into {local}")
         try:
-            with _Progress(url, total, lambda: _bytes_under(scratch), say):
+            with progress.downloading(total - kept, lambda: _bytes_under(scratch) - kept):
                 for rel, info in sorted(files.items()):
                     target = scratch / rel if rel else scratch
                     size = int(info.get("size") or 0)
@@ -296,37 +358,84 @@ def _human(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def duration(seconds: float) -> str:
+    """A time left as a person reads it: 45 s, 4 min, 1.5 h."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def progress_line(name: str, done: int, total: int, elapsed_s: float) -> str:
     """One progress line of a download: bytes, share, rate and the time left at that rate."""
+    state = DownloadState(name, "downloading", done, total, elapsed_s)
     share = f" ({100 * done / total:.0f}%)" if total else ""
-    rate = done / elapsed_s if elapsed_s > 0 else 0.0
-    left = f", {(total - done) / rate:.0f} s left" if rate > 0 and total > done else ""
-    return f"{name}: {_human(done)} of {_human(total)}{share}, {_human(rate)}/s{left}"
+    left = f", {duration(state.left_s)} left" if state.left_s is not None and total > done else ""
+    return f"{name}: {_human(done)} of {_human(total)}{share}, {_human(state.bytes_per_s)}/s{left}"
 
 
 class _Progress:
-    """A progress line every PROGRESS_PERIOD_S while a download runs, when stderr is not a terminal (a
-    terminal shows the fetching library's bar)."""
+    """One fetch's progress: while it downloads, a line every PROGRESS_PERIOD_S to `say` when stderr is not a
+    terminal (a terminal shows the fetching library's bar) and a DownloadState every WATCH_PERIOD_S to `watch`,
+    both from a thread of its own (the download blocks its caller); its end once to `watch`. A `watch` that
+    raises is logged and the download goes on."""
 
-    def __init__(self, name: str, total: int, done: Callable[[], int], say: Callable[[str], None],
-                 period_s: float = PROGRESS_PERIOD_S, terminal: bool | None = None):
-        self.name, self.total, self.done, self.say, self.period_s = name, total, done, say, period_s
-        self.quiet = total <= 0 or (sys.stderr.isatty() if terminal is None else terminal)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="checkpoint-download-progress", daemon=True)
+    def __init__(self, name: str, say: Callable[[str], None], watch: Callable[[DownloadState], None] | None = None,
+                 period_s: float | None = None, watch_period_s: float | None = None, terminal: bool | None = None):
+        self.name, self.say, self.watch = name, say, watch
+        self.period_s = PROGRESS_PERIOD_S if period_s is None else period_s
+        self.watch_period_s = WATCH_PERIOD_S if watch_period_s is None else watch_period_s
+        self.terminal = sys.stderr.isatty() if terminal is None else terminal
+        self.state = DownloadState(name, "cached")      # until a download begins: nothing to fetch
 
-    def __enter__(self):
-        self._start = time.monotonic()
-        if not self.quiet:
-            self._thread.start()
-        return self
+    @contextlib.contextmanager
+    def downloading(self, total: int, done: Callable[[], int]):
+        """Around the download of `total` bytes; `done()`: the bytes fetched so far (any thread may call it)."""
+        start = time.monotonic()
+        self._tell(DownloadState(self.name, "downloading", 0, total))
+        stop = threading.Event()
+        logs = total > 0 and not self.terminal
+        thread = threading.Thread(target=self._run, args=(stop, start, total, done, logs), daemon=True,
+                                  name="checkpoint-download-progress")
+        if logs or self.watch is not None:
+            thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            if thread.is_alive():
+                thread.join()
+            self.state = replace(self.state, done=min(max(done(), 0), total), elapsed_s=time.monotonic() - start)
 
-    def __exit__(self, *exc):
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+    def verifying(self) -> None:
+        self._tell(replace(self.state, phase="verifying", idle_s=0.0))
 
-    def _run(self):
-        while not self._stop.wait(self.period_s):
-            self.say(progress_line(self.name, min(self.done(), self.total), self.total,
-                                   time.monotonic() - self._start))
+    def end(self, error: str = "") -> None:
+        if error:
+            self._tell(replace(self.state, phase="failed", error=error))
+        else:
+            self._tell(replace(self.state, phase="cached" if self.state.phase == "cached" else "done",
+                               done=self.state.total, idle_s=0.0))
+
+    def _run(self, stop: threading.Event, start: float, total: int, done: Callable[[], int], logs: bool) -> None:
+        tick_s = self.watch_period_s if self.watch is not None else self.period_s
+        say_every = max(1, round(self.period_s / tick_s))
+        last, grew, ticks = 0, start, 0
+        while not stop.wait(tick_s):
+            now, ticks = time.monotonic(), ticks + 1
+            count = min(max(done(), 0), total)
+            if count > last:
+                last, grew = count, now
+            self._tell(DownloadState(self.name, "downloading", count, total, now - start, now - grew))
+            if logs and ticks % say_every == 0:
+                self.say(progress_line(self.name, count, total, now - start))
+
+    def _tell(self, state: DownloadState) -> None:
+        self.state = state
+        if self.watch is None:
+            return
+        try:
+            self.watch(state)
+        except Exception as e:  # noqa: BLE001 - showing the progress must not end the download
+            log.warning(f"{self.name}: the download's progress could not be shown: {type(e).__name__}: {e}")

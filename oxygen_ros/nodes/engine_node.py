@@ -5,6 +5,8 @@ process hold a reference to it (in-process handles: no KV and no image crosses D
 are built around it at configure by the `attach` callable the bringup gives (see AttachedNodes).
 With `robots` set (a fleet, nodes/fleet.py) it serves several robots, each with its nodes in its own
 namespace; its /diagnostics then has a status per robot (`oxygen_ros: <robot> engine`) besides the totals.
+A checkpoint, tokenizer or norm statistics named as a hub id or gs:// URL is fetched at configure, and each
+fetch has a status of its own while it runs and after (`oxygen_ros: checkpoint download`, nodes/download_status.py).
 
 Transitions (standard lifecycle services /oxygen_engine/change_state, get_state...):
   configure   read and check every parameter, load model, tokenizer, norm stats, KV pool; build the nodes
@@ -33,11 +35,12 @@ from oxygen_ros.engine.engine import Engine
 from oxygen_ros.engine.factory import build_engine, file_problems, model_config
 from oxygen_ros.model.checkpoint import LoadStopped, checkpoint_settings, lerobot_policy
 from oxygen_ros.model.config import LIMITS, PREFIX_MODES, PRESETS
-from oxygen_ros.model.download import is_remote, resolve_checkpoint
+from oxygen_ros.model.download import CHECKPOINT, NORM_STATS, Wanted, is_remote, resolve_checkpoint
 from oxygen_ros.progress import LongTask, human_bytes, size_of
 from oxygen_ros.robot.policy_io import RobotIOConfig
 
-from .fleet import ROBOT_KEYS, FleetRobot, ParamsFiles, read_fleet, valid_name
+from .download_status import Downloads
+from .fleet import ROBOT_KEYS, FleetRobot, ParamsFiles, fetch_norm_stats, read_fleet, valid_name
 from .params import Param, ParameterError, declare_all, read_all
 
 # Engine settings come from EngineConfig (declared once, with their descriptions and bounds); the rest
@@ -53,8 +56,8 @@ PARAMS = ENGINE_PARAMS + [
                            "URL). Empty: the small tokenizer shipped for the tiny/bench presets."),
     Param("norm_stats", "", "openpi norm_stats.json, a checkpoint directory holding "
                             "assets/<asset_id>/norm_stats.json, or a LeRobot policy folder (its processors' "
-                            "statistics and modes). Empty: a LeRobot checkpoint folder's own, else no "
-                            "(un)normalisation."),
+                            "statistics and modes); a hub id or gs:// URL: its statistics fetched once. Empty: a "
+                            "LeRobot checkpoint folder's own, else no (un)normalisation."),
     Param("asset_id", "", "Which assets/<asset_id> folder to take norm stats from when there are several."),
     Param("device", "auto", "Where the model runs.", choices=("auto", "cpu", "cuda")),
     Param("attention_backend", "auto", "Attention/norm kernels: Triton on CUDA, torch on the CPU.",
@@ -139,6 +142,7 @@ class EngineNode(LifecycleNode):
         self.attached: AttachedNodes | None = None
         self.failure = ""                          # why the last configure failed (empty: it did not)
         self.capacity = None                       # the engine's capacity prediction (capacity.py), at configure
+        self.downloads = Downloads()               # this configure's fetches, as /diagnostics shows them
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self.create_timer(1.0, self._publish_diagnostics)
         # The safe stop (max_consecutive_faults faulty frames in a row) is a latch with a reason: cleared by
@@ -171,6 +175,8 @@ class EngineNode(LifecycleNode):
 
     # ------------------------------------------------------------------ lifecycle transitions
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.failure = ""                          # /diagnostics shows this configure's fetches, not the last failure
+        self.downloads.clear()
         self.p, problems = read_all(self, PARAMS)
         self.fleet, fleet_problems = self._read_fleet()
         problems += fleet_problems
@@ -282,10 +288,14 @@ class EngineNode(LifecycleNode):
         for key in ("checkpoint", "norm_stats", "tokenizer"):     # a hub id or gs:// URL: fetched once, verified
             if isinstance(p[key], str) and p[key] and is_remote(p[key]):
                 try:
-                    p = dict(p, **{key: str(resolve_checkpoint(p[key], self.get_logger().info))})
+                    p = dict(p, **{key: str(self._fetch(p[key], NORM_STATS if key == "norm_stats" else CHECKPOINT,
+                                                        status_name(f"{key} download")))})
                 except ValueError as e:
                     problems.append(str(e))
                     p = dict(p, **{key: ""})
+        self.fleet, fetch_problems = fetch_norm_stats(self.fleet, lambda robot: self._fetch(
+            robot.norm_stats, NORM_STATS, status_name("norm_stats download", robot.name)))
+        problems += fetch_problems
         for key in ("checkpoint", "tokenizer", "norm_stats"):
             if p[key] and not Path(p[key]).exists():
                 problems.append(f"{key} not found: {p[key]}")
@@ -404,11 +414,21 @@ class EngineNode(LifecycleNode):
     def _stopping(self) -> bool:
         return self._stop_loading is not None and self._stop_loading.is_set()
 
+    def _fetch(self, name: str, wanted: Wanted, diagnostic: str):
+        """resolve_checkpoint, its progress published on /diagnostics (status `diagnostic`) from the download's
+        own thread: configure holds the executor that runs the diagnostics timer."""
+        def watch(state):
+            self.downloads.update(diagnostic, state)
+            self._publish_diagnostics()
+
+        return resolve_checkpoint(name, self.get_logger().info, wanted=wanted, watch=watch)
+
     # ------------------------------------------------------------------ diagnostics
     def _publish_diagnostics(self) -> None:
         msg = DiagnosticArray()
         msg.header.stamp = self.get_clock().now().to_msg()
         msg.status.extend(self._engine_status())
+        msg.status.extend(status(*report) for report in self.downloads.reports())
         if self.attached is not None:
             msg.status.extend(self.attached.diagnostics())
         self._diag_pub.publish(msg)

@@ -11,7 +11,8 @@ plugins (a list of names, then a section per name):
       ros__parameters: {state_topic: /arm_a/joint_states, ...}
 
 Per robot: `namespace` (default /<name>), `robot_config` (config/<name>.yaml, or a file: its cameras,
-state, action type, limits, prompt and policy I/O), `norm_stats` and `asset_id` (empty: none). A robot's
+state, action type, limits, prompt and policy I/O), `norm_stats` (a file or folder, a hub id or a gs:// URL,
+fetched at configure as the engine's own: fetch_norm_stats) and `asset_id` (empty: none). A robot's
 nodes (observation, action, conversation, view) live in its namespace and take their parameters from its
 robot config's sections (`/**`, then `oxygen_<node>`), then the params files' `/<namespace>/oxygen_<node>`
 section. The model-level settings in a robot config (model, checkpoint, horizon, ...) are the fleet
@@ -26,9 +27,11 @@ Everything here is plain Python (no ROS): the engine node and the bringup call i
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from oxygen_ros.model.download import is_remote
 from oxygen_ros.params_yaml import read_file
 from oxygen_ros.robot.configs import find_config
 from oxygen_ros.robot.policy_io import RobotIOConfig
@@ -38,7 +41,8 @@ ROBOT_KEYS = {
     "namespace": "Namespace of robot {0}'s nodes and interface (/<namespace>/oxygen/...). Empty: /{0}.",
     "robot_config": "Robot {0}'s config: a name in config/ (droid, aloha, libero, demo) or a YAML file.",
     "norm_stats": "Robot {0}'s norm_stats.json (or a directory with assets/<asset_id>/, or a LeRobot policy "
-                  "folder). Empty: a LeRobot checkpoint's own, else none.",
+                  "folder; a hub id org/name[@revision] or a gs:// URL: its statistics fetched once into the hub's / "
+                  "openpi's cache). Empty: a LeRobot checkpoint's own, else none.",
     "asset_id": "Which assets/<asset_id> folder robot {0}'s norm stats come from when there are several.",
 }
 ROBOT_NODES = ("oxygen_observation", "oxygen_action", "oxygen_conversation", "oxygen_view")
@@ -173,7 +177,7 @@ def read_fleet(names: list[str], values: dict[str, dict], files: ParamsFiles) ->
             continue
         engine_section = robot_files.engine()
         norm_stats = v.get("norm_stats", "")
-        if norm_stats and not Path(norm_stats).exists():
+        if norm_stats and not is_remote(norm_stats) and not Path(norm_stats).exists():
             problems.append(f"{name}.norm_stats not found: {norm_stats}")
         io_values = {k: engine_section[k] for k in ROBOT_IO_KEYS if k in engine_section}
         try:
@@ -189,6 +193,23 @@ def read_fleet(names: list[str], values: dict[str, dict], files: ParamsFiles) ->
             ignored=tuple(sorted(k for k in engine_section if k not in ROBOT_IO_KEYS))))
     problems += _stray_settings(names, namespaces, files)
     return robots, problems
+
+
+def fetch_norm_stats(robots: list[FleetRobot], fetch: Callable[[FleetRobot], str | Path]
+                     ) -> tuple[list[FleetRobot], list[str]]:
+    """The robots with each remote `norm_stats` (a hub id or gs:// URL) replaced by its local copy, `fetch(robot)`
+    (model/download.py's resolve_checkpoint, as the engine's own), and the fetches' one-line refusals, each
+    named with its robot."""
+    fetched, problems = [], []
+    for robot in robots:
+        if robot.norm_stats and is_remote(robot.norm_stats):
+            try:
+                robot = replace(robot, norm_stats=str(fetch(robot)))
+            except ValueError as e:
+                problems.append(f"{robot.name}.norm_stats: {e}")
+                robot = replace(robot, norm_stats="")
+        fetched.append(robot)
+    return fetched, problems
 
 
 # Each robot's outputs (node -> parameter -> what it is): two robots on one of them would mix commands, chunks,
