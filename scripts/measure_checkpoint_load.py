@@ -1,13 +1,20 @@
-"""Peak resident memory while loading a full-size π0.5 checkpoint (docs/robots.md, "Getting a checkpoint").
+"""Load time, time to the first chunk and peak resident memory of a π0.5 checkpoint (docs/robots.md, "Getting
+a checkpoint").
 
     python scripts/measure_checkpoint_load.py write <folder> --dtype bfloat16    # ~7 GB (float32: ~14.5 GB)
     python scripts/measure_checkpoint_load.py load <folder> --dtype bfloat16     # prints one JSON line (served in --dtype)
+    python scripts/measure_checkpoint_load.py write <folder> --preset bench      # a smaller model, the same steps
 
-`write` lays out random weights as LeRobot publishes pi05 (model.safetensors with `model.` keys, embed_tokens and
-lm_head both stored), one tensor at a time straight to the file, so the writer never holds the model. `load` runs
-the engine's loader (load_pi05) into the serving dtype in this process and reports the peak resident set
-(getrusage) after the load and after every weight was read once (what the first chunk does), the file size and
-their ratio. Write the folder outside the repository and delete it afterwards.
+`write` lays out random weights of `--preset` (default pi05, the full size) as LeRobot publishes pi05
+(model.safetensors with `model.` keys, embed_tokens and lm_head both stored, config.json with chunk_size 50), one
+tensor at a time straight to the file, so the writer never holds the model. `load` runs what the engine node's
+configure runs, in this process: the loader (load_pi05) into the serving dtype with the settings config.json
+records, then the engine around the model (KV pool, policy I/O), then its first cycle on one LIBERO-like frame
+(two 256 px cameras, an 8-dim state, the shipped small tokenizer: the weights are random). It reports the load
+time, the first cycle's time and the time from the start to the first chunk, the next cycle's time (warm), the
+peak resident set (getrusage) after the load, after the first chunk and after every weight was read once (the
+first chunk leaves lm_head unread), the file size and their ratio. Write the folder outside the repository and
+delete it afterwards.
 """
 from __future__ import annotations
 
@@ -17,21 +24,24 @@ import resource
 import struct
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 DTYPES = {"bfloat16": (torch.bfloat16, "BF16"), "float32": (torch.float32, "F32")}
+PRESETS = ("tiny", "bench", "pi05")
 
 
-def write(folder: Path, dtype: str) -> None:
+def write(folder: Path, dtype: str, preset_name: str) -> None:
     from oxygen_ros.model.checkpoint import EMBED_TOKENS, openpi_name
     from oxygen_ros.model.config import preset
     from oxygen_ros.model.pi05 import Pi05
 
     torch_dtype, tag = DTYPES[dtype]
     with torch.device("meta"):
-        model = Pi05(preset("pi05"))
+        model = Pi05(preset(preset_name))
     shapes = {"model." + openpi_name(n): tuple(p.shape) for n, p in model.named_parameters()}
     shapes["model." + EMBED_TOKENS] = shapes["model." + openpi_name("embed_tokens.weight")]
     size = torch.tensor([], dtype=torch_dtype).element_size()
@@ -52,29 +62,62 @@ def write(folder: Path, dtype: str) -> None:
             tensor = torch.randn(shapes[key], generator=g, dtype=torch.float32).mul_(0.02).to(torch_dtype)
             f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
     (folder / "config.json").write_text(json.dumps({"type": "pi05", "chunk_size": 50, "max_action_dim": 32}))
-    print(f"wrote {folder / 'model.safetensors'}: {offset / 1e9:.2f} GB of {dtype}")
+    print(f"wrote {folder / 'model.safetensors'}: {offset / 1e9:.2f} GB of {dtype} ({preset_name})")
 
 
-def load(folder: Path, dtype: str) -> None:
-    """Load into `dtype` (the serving dtype; the file's own dtype is whatever `write` wrote)."""
-    from oxygen_ros.model.checkpoint import load_pi05
-    from oxygen_ros.model.config import preset
+def first_frame():
+    """One LIBERO-like frame (base and wrist cameras at 256 px, the right wrist masked, an 8-dim state)."""
+    from oxygen_ros.robot.sync import Observation
 
+    rng = np.random.default_rng(0)
+    images = {"base_0_rgb": rng.integers(0, 256, (256, 256, 3), dtype=np.uint8),
+              "left_wrist_0_rgb": rng.integers(0, 256, (256, 256, 3), dtype=np.uint8), "right_wrist_0_rgb": None}
+    return Observation(stamp_s=0.0, images=images, image_masks={k: v is not None for k, v in images.items()},
+                       state=rng.uniform(-1, 1, 8), prompt="put the bowl on the plate")
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024          # kB on Linux
+
+
+def load(folder: Path, dtype: str, preset_name: str) -> None:
+    """Load into `dtype` (the serving dtype; the file's own dtype is whatever `write` wrote), then the first
+    chunk, as configure and the engine's first cycle do."""
+    from oxygen_ros.engine.factory import build_engine, model_config
+    from oxygen_ros.model.checkpoint import checkpoint_settings, load_pi05
+
+    cfg = model_config(preset_name, **checkpoint_settings(folder))
     start = time.monotonic()
-    model = load_pi05(folder, preset("pi05"), dtype=DTYPES[dtype][0])
+    model = load_pi05(folder, cfg, dtype=DTYPES[dtype][0])
     seconds = time.monotonic() - start
-    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024          # kB on Linux
-    with torch.no_grad():           # every weight read once, as the first chunk does: all of it resident
+    loaded = peak_rss()
+    engine = build_engine(built_model=model, kv_budget_mb=64.0)
+    frame = first_frame()
+    noise = np.random.default_rng(1).standard_normal((cfg.action_horizon, cfg.action_dim)).astype(np.float32)
+    cycle_start = time.monotonic()
+    report = engine.run_cycle(frame, noise)
+    first_chunk = time.monotonic()
+    if report.chunks != 1 or report.fault:
+        raise SystemExit(f"the first cycle gave no chunk: {report.fault or report}")
+    after_chunk = peak_rss()
+    engine.run_cycle(replace(frame, stamp_s=0.1), noise)
+    warm_s = time.monotonic() - first_chunk
+    with torch.no_grad():           # every weight read once (lm_head too): all of it resident
         for p in [*model.parameters(), *([model.lm_head] if model.lm_head is not None else [])]:
             flat = p.reshape(-1)
             for i in range(0, flat.numel(), 1 << 22):          # a block at a time: no float copy of a whole tensor
                 flat[i:i + (1 << 22)].float().sum()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()
     on_disk = (folder / "model.safetensors").stat().st_size
     held = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(json.dumps({"dtype": dtype, "file_bytes": on_disk, "model_bytes": held, "peak_rss_after_load_bytes": loaded, "peak_rss_bytes": peak,
-                      "peak_over_file": round(peak / on_disk, 3), "load_s": round(seconds, 1),
-                      "torch": torch.__version__, "python": sys.version.split()[0]}))
+    print(json.dumps({"preset": preset_name, "dtype": dtype, "file_bytes": on_disk, "model_bytes": held,
+                      "action_horizon": cfg.action_horizon, "denoise_steps": cfg.num_denoise_steps,
+                      "load_s": round(seconds, 2), "first_cycle_s": round(first_chunk - cycle_start, 3),
+                      "first_chunk_s": round(first_chunk - start, 2), "warm_cycle_s": round(warm_s, 3),
+                      "peak_rss_after_load_bytes": loaded, "peak_rss_after_first_chunk_bytes": after_chunk,
+                      "peak_rss_bytes": peak, "peak_over_file": round(peak / on_disk, 3),
+                      "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                      "python": sys.version.split()[0]}))
 
 
 def main() -> None:
@@ -83,8 +126,9 @@ def main() -> None:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                         help="write: the file's dtype; load: the serving dtype")
+    parser.add_argument("--preset", choices=PRESETS, default="pi05", help="the model's size (pi05: the full size)")
     args = parser.parse_args()
-    (write if args.action == "write" else load)(args.folder, args.dtype)
+    (write if args.action == "write" else load)(args.folder, args.dtype, args.preset)
 
 
 if __name__ == "__main__":
