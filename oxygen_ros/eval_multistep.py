@@ -3,11 +3,11 @@ docs/demo_model.md).
 
 Per seeded episode (a scene of `draw_episode`, a 2-3 step task of `sim.tasks.draw_multistep_episode`), the same
 model twice on the same scene, start and chunk noise:
-- **hierarchy**: the model writes the subtask from the frame (pi052's joint format: `"Assistant:"` after the
-  frame's prompt), re-writes its progress memory when the subtask changes, and the actions read the prompt plus
-  the causal span of the newest subtask;
-- **task only**: the actions read the task's span (what the engine serves before a robot's first subtask, as
-  LeRobot falls back), no text.
+- **hierarchy**: the model writes the subtask from the frame (pi052's joint recipe: the frame's prompt ends with
+  the open `"Assistant:"` header), re-writes its progress memory when the subtask changes, and the actions read
+  the prompt plus the newest subtask in the recipe's attention blocks (`JointReference`);
+- **task only**: the actions read the task in the subtask's place (what the engine serves before a robot's
+  first subtask, as LeRobot falls back), no text.
 Every `--replan` ticks a chunk is computed from the current camera image and joint state and its first
 `--replan` rows are executed; a step is done when the tip touches its cube (`sim.tasks.StepJudge`), and the
 episode succeeds when every step is done within `--steps` ticks per step. The subtask is judged against the
@@ -56,11 +56,12 @@ class Plan:
 
 
 class JointReference:
-    """pi052's joint format on the model's reference path, one frame at a time. The frame's prompt
-    `"User: {task}, State: ...;\\n"` after the image is prefilled (bidirectional); the subtask is decoded
-    greedily after `"Assistant:"` and the memory after pi052's memory turns, each a causal continuation of that
-    prefix; the actions read the prompt and the span `"Assistant: {subtask}" EOS "\\n"`, prefilled with the
-    prompt with the span causal (the engine extends the frame's prefix with it: the same attention)."""
+    """pi052's joint recipe on the model's reference path, one frame at a time, in the attention blocks the
+    engine serves (`pi052.joint_tokens`). The frame's prompt `"User: {task}, State: ...;\\nAssistant:"` after
+    the image is prefilled (bidirectional); the subtask is decoded greedily from its last position, the memory
+    after pi052's memory turns continuing that header (`pi052.joint_request`), an answer after its question,
+    each a causal continuation of that prefix; the actions read the image, that prompt, the subtask's tokens
+    (causal) and [EOS, "\\n"] (a block that sees itself), each block one forward into the actions' cache."""
 
     def __init__(self, model: Pi05, checkpoint: Path, hierarchy: bool = True):
         self.model, self.hierarchy = model, hierarchy
@@ -75,40 +76,52 @@ class JointReference:
     def _row(self, image: np.ndarray, tokens: list[int]) -> PrefixRow:
         return PrefixRow(to_pixels(image, self.model.cfg.vision.image_size)[None], torch.tensor(tokens))
 
-    def _prompt(self, task: str, state: np.ndarray) -> list[int]:
-        text = pi052.joint_prompt(task, pi052.state_text(self.norm.normalize_state(state)))
-        return self.tok.encode(text, bos=True)
+    def _state(self, state: np.ndarray) -> str:
+        return pi052.state_text(self.norm.normalize_state(state))
 
     @torch.inference_mode()
     def generate(self, image: np.ndarray, state: np.ndarray, task: str, request: str, max_tokens: int) -> str:
-        """The text after `request` (a fork at the end of the frame's prompt), greedy, stripped."""
-        row = self._row(image, self._prompt(task, state))
-        cache = ContiguousCache(self.model, self.model.prefix_length(row) + len(request) + max_tokens + 64)
+        """The text after `request` (a fork at the end of the frame's prompt; "" for the subtask), greedy,
+        decoded as the engine decodes it."""
+        prompt = self.tok.encode(pi052.joint_prompt(task, self._state(state)) + pi052.GENERATION_PROMPT, bos=True)
+        row = self._row(image, prompt)
+        question = self.tok.encode(request)
+        cache = ContiguousCache(self.model, self.model.prefix_length(row) + len(question) + max_tokens + 64)
         frame = prefill(self.model, cache, [row], self.backend)
-        ids = greedy_generate(self.model, cache, frame.segments[0], frame.hidden, self.tok.encode(request),
-                              max_tokens, self.tok.eos_id, self.backend)
-        return self.tok.decode([t for t in ids if t != self.tok.eos_id]).strip()
+        ids = greedy_generate(self.model, cache, frame.segments[0], frame.hidden, question, max_tokens,
+                              self.tok.eos_id, self.backend)
+        return pi052.decode_reply(self.tok, ids)
 
     @torch.inference_mode()
     def actions(self, image: np.ndarray, state: np.ndarray, task: str, conditioning: str,
                 noise: np.ndarray) -> np.ndarray:
-        prompt = self._prompt(task, state)
-        row = self._row(image, prompt + pi052.joint_span_tokens(self.tok, conditioning))
-        n = self.model.prefix_length(row)
-        cache = ContiguousCache(self.model, n)
-        own = CachedRow(n_new=n, own=Segment(cache.allocate(n), n),
-                        bidir=self.model.cfg.image_tokens + len(prompt))
-        self.model.prefill([row], CachedAttention(cache.kv, [own], self.backend, self.model.device))
-        deltas = sample_actions(self.model, cache, [own.own], torch.from_numpy(noise)[None], backend=self.backend)
+        joint = pi052.joint_tokens(self.tok, task, self._state(state), conditioning)
+        row = self._row(image, joint.tokens[:joint.bidir])
+        done = self.model.prefix_length(row)
+        total = done + len(joint.tokens) - joint.bidir
+        cache = ContiguousCache(self.model, total)
+        blocks = cache.allocate(total)
+        self.model.prefill([row], CachedAttention(cache.kv, [CachedRow(done, Segment(blocks, done),
+                                                                       bidir=self.model.prefix_bidir(row))],
+                                                  self.backend, self.model.device))
+        rest = joint.tokens[joint.bidir:]
+        for n, bidir in ((joint.causal, 0), (joint.tail, joint.tail)):
+            if n:
+                new, rest, done = rest[:n], rest[n:], done + n
+                self.model.extend(torch.tensor(new), CachedAttention(
+                    cache.kv, [CachedRow(n, Segment(blocks, done), bidir=bidir)], self.backend, self.model.device))
+        deltas = sample_actions(self.model, cache, [Segment(blocks, total)], torch.from_numpy(noise)[None],
+                                backend=self.backend)
         return state + self.norm.unnormalize_actions(deltas[0].cpu().numpy())[:, :len(state)]
 
     def plan(self, image: np.ndarray, state: np.ndarray, task: str, noise: np.ndarray) -> Plan:
         if not self.hierarchy:
             return Plan(self.actions(image, state, task, task, noise), "", "", False)
-        subtask = self.generate(image, state, task, pi052.GENERATION_PROMPT, SUBTASK_MAX_TOKENS)
+        subtask = self.generate(image, state, task, pi052.joint_request(pi052.subtask_messages(task)),
+                                SUBTASK_MAX_TOKENS)
         written = bool(self.subtask) and subtask != self.subtask
         if written:
-            request = pi052.render(pi052.memory_messages(task, self.memory, self.subtask)[1:])
+            request = pi052.joint_request(pi052.memory_messages(task, self.memory, self.subtask))
             self.memory = self.generate(image, state, task, request, MEMORY_MAX_TOKENS)
         self.subtask = subtask
         return Plan(self.actions(image, state, task, subtask or task, noise), subtask, self.memory, written)

@@ -43,12 +43,21 @@ def test_state_bins_follow_the_256_bin_convention():
     assert pi052.joint_prompt("tidy", "3") == "User: tidy, State: 3;\n"
 
 
-def test_joint_span_ends_with_eos_then_newline():
+def test_joint_tokens_are_the_frame_prompt_the_subtask_then_eos_and_newline():
     tok = Tokenizer.tiny()
-    ids = pi052.joint_span_tokens(tok, "pick the cup")
     newline = tok.encode("\n")
-    assert ids[-1 - len(newline)] == tok.eos_id and ids[-len(newline):] == newline
-    assert tok.decode(ids[:-1 - len(newline)]) == "Assistant: pick the cup"
+    frame = tok.encode(pi052.joint_prompt("tidy", "3") + pi052.GENERATION_PROMPT, bos=True)
+    joint = pi052.joint_tokens(tok, "tidy", "3", "pick the cup")
+    ids = joint.tokens
+    assert (joint.bidir, joint.tail) == (len(frame), 1 + len(newline)) and ids[:joint.bidir] == frame
+    assert joint.bidir + joint.causal + joint.tail == len(ids)
+    assert ids[-joint.tail] == tok.eos_id and ids[-len(newline):] == newline
+    assert tok.decode(ids[:-joint.tail]) == "User: tidy, State: 3;\nAssistant: pick the cup"
+    assert tok.decode(ids[joint.bidir:joint.bidir + joint.causal]) == " pick the cup"   # its first piece: the space
+    # A subtask whose first piece does not carry its leading space: the lone space piece joins the first block.
+    digit = pi052.joint_tokens(tok, "tidy", "3", "3 cups")
+    assert digit.tokens[:digit.bidir] == frame + [tok.sp.piece_to_id("\u2581")]
+    assert tok.decode(digit.tokens[digit.bidir:digit.bidir + digit.causal]) == "3 cups"
 
 
 def test_masks_fast_codes_always_and_locs_in_prose():

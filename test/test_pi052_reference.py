@@ -74,8 +74,13 @@ def test_default_action_prompts_are_the_branchs(case):
 def test_joint_prompts_and_attention_are_the_branchs(case):
     ours = pi052.joint_tokens(TOK, case["task"], case["bins"], case["subtask"])
     assert ours.tokens == case["tokens"]
-    assert encode(pi052.joint_prompt(case["task"], case["bins"])) + pi052.joint_span_tokens(TOK, case["subtask"]) \
-        == case["tokens"]
+    assert ours.bidir + ours.causal + ours.tail == len(case["tokens"])
+    # They begin with the frame's prompt, the subtask request's tokens (the engine prefills it once per frame).
+    frame = encode(pi052.joint_prompt(case["task"], case["bins"]) + pi052.GENERATION_PROMPT)
+    assert case["tokens"][:len(frame)] == frame and ours.bidir - len(frame) in (0, 1)
+    # The actions' blocks after the prompt: the subtask's tokens, which decode to the subtask, then EOS, "\n".
+    assert pi052.decode_reply(TOK, case["tokens"][ours.bidir:ours.bidir + ours.causal]) == case["subtask"].strip()
+    assert case["tokens"][len(case["tokens"]) - ours.tail:] == [TOK.eos_id] + TOK.encode("\n")
     # The branch marks the subtask's tokens and EOS (each a block of its own: causal); the unmarked newline
     # after EOS joins EOS's block; everything before the first mark is one bidirectional block.
     marks = [0] * ours.bidir + [1] * (ours.causal + 1) + [0] * (ours.tail - 1)
@@ -258,12 +263,14 @@ def test_joint_recipe_subtask_and_actions_are_the_branchs(model, ref):
 
 
 def test_a_plain_causal_span_is_not_the_joint_recipe(model, ref):
-    """The span `"Assistant: {subtask}" EOS "\\n"` attended purely causally after a bidirectional prompt (the
-    header outside the prompt's block, EOS blind to the newline): not what the branch computes."""
+    """The branch's tokens with the span `"Assistant: {subtask}" EOS "\\n"` attended purely causally after a
+    bidirectional `"User: ...;\\n"` (the header outside the prompt's block, EOS blind to the newline): not what
+    the branch computes."""
     state = pi052.state_text(ref["state_normalized"])
-    prompt = encode(pi052.joint_prompt("put the cups away", state))
-    span = pi052.joint_span_tokens(TOK, str(ref["joint_subtask_text"]))
-    actions = actions_over(model, ref, prompt + span, [(len(prompt), len(prompt)), (len(span), 0)])
+    tokens = pi052.joint_tokens(TOK, "put the cups away", state, str(ref["joint_subtask_text"])).tokens
+    assert tokens == ref["joint_action_tokens"].tolist()
+    prompt = len(encode(pi052.joint_prompt("put the cups away", state)))
+    actions = actions_over(model, ref, tokens, [(prompt, prompt), (len(tokens) - prompt, 0)])
     assert np.abs(actions - ref["joint_model_actions"]).max() > 10 * TOLERANCE
 
 

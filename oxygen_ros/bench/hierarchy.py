@@ -7,7 +7,8 @@ random-weight checkpoint, the same frames and the same noise, in real time on th
     thread; the robot plays its queued chunk at the control rate; only when the queue is empty does the
     runtime compute: the subtask when the 1 Hz gate is due, then, if it changed, the progress memory, each a
     prefill of its own (images + its messages; the vision tower and the whole prefix re-run) and a greedy
-    decode; then a new observation's chunk on a prefill of its own (the action prompt); the whole chunk is
+    decode; then a new observation's chunk on a prefill of its own (the action prompt; joint recipe: the
+    prompt and the subtask in the branch's three attention blocks, `Serial.chunk`); the whole chunk is
     queued. The robot gets no command while any of that runs.
 (b) the engine (tasks/hierarchy.py): the camera sends a frame every chunk period; every frame is prefilled
     once, its chunk delivered first, and the texts are language requests decoded in the time the cycles
@@ -21,8 +22,10 @@ measured hierarchy-off cycle) unless given.
 Measured at the robot (a simulated 1-D timeline from the measured compute times and delivery times): command
 rate, largest gap between commands, age of the chunk being executed (command time - its observation's
 stamp); subtask and memory latency (serial: the text's compute; engine: submitted -> finished); language
-tokens/s. Then the engine with hierarchy off vs on on the same frames: median cycle (target: within 10%) and
-chunks late because of language (a chunk is late when delivered after its deadline; target 0 more than off).
+tokens/s; the engine's frames whose actions needed an own prefill (joint recipe: a subtask whose first piece
+has no leading space). Then the engine with hierarchy off vs on on the same frames: median cycle (target:
+within 10%) and chunks late because of language (a chunk is late when delivered after its deadline; target 0
+more than off).
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ import torch
 from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.factory import build_engine, build_model, model_config
 from oxygen_ros.model import inference, pi052
+from oxygen_ros.model.attention import CachedAttention, CachedRow, Segment, default_backend
 from oxygen_ros.model.pi05 import PrefixRow
 from oxygen_ros.robot.policy_io import RobotIOConfig
 
@@ -93,10 +97,12 @@ def _commands(times: list[float], ages: list[float], start: float, end: float) -
 
 class Serial:
     """(a): LeRobot's runtime loop (module docstring) on the model directly, every text and every chunk on a
-    prefill of its own (model/inference.py: the engine's reference path)."""
+    prefill of its own, as the branch re-runs the whole prefix per call (model/inference.py: the engine's
+    reference path); `task` is the robot's task."""
 
-    def __init__(self, engine, fmt: pi052.Pi052Format):
+    def __init__(self, engine, fmt: pi052.Pi052Format, task: str = TASK):
         self.model, self.tok, self.preparer, self.fmt = engine.runner.model, engine.tokenizer, engine.preparer, fmt
+        self.task = task
         self.masked = fmt.masked_ranges(self.model.cfg.vocab_size, allow_loc=False)
         self.tokens = 0
 
@@ -107,27 +113,48 @@ class Serial:
         ids = inference.greedy_generate(self.model, cache, pre.segments[0], pre.hidden[0], [],
                                         self.fmt.max_new_tokens, eos_id=self.tok.eos_id)
         self.tokens += len(ids)
-        return " ".join(self.tok.decode([t for t in ids if t != self.tok.eos_id]).split())
+        return pi052.decode_reply(self.tok, ids)
 
     def subtask(self, prepared, state: str) -> str:
-        prompt = pi052.joint_prompt(TASK, state) if self.fmt.joint else pi052.render(pi052.subtask_messages(TASK),
-                                                                                     generation_prompt=False)
+        prompt = pi052.joint_prompt(self.task, state) if self.fmt.joint else \
+            pi052.render(pi052.subtask_messages(self.task), generation_prompt=False)
         return self._text(prepared.row.images, prompt + pi052.GENERATION_PROMPT)
 
     def memory(self, prepared, memory: str, completed: str) -> str:
-        return self._text(prepared.row.images, pi052.render(pi052.memory_messages(TASK, memory, completed)))
+        return self._text(prepared.row.images, pi052.render(pi052.memory_messages(self.task, memory, completed)))
 
-    def chunk(self, prepared, state: str, subtask: str, noise) -> None:
-        if self.fmt.joint:
-            span = pi052.joint_span_tokens(self.tok, subtask)
-            tokens = self.tok.encode(pi052.joint_prompt(TASK, state), bos=True) + span
-            row = PrefixRow(prepared.row.images, torch.tensor(tokens), causal=len(span))
+    @torch.inference_mode()
+    def chunk(self, prepared, state: str, subtask: str, noise) -> np.ndarray:
+        """The chunk's model actions [H, action_dim] on a prefill of its own. Default recipe: images + the
+        action prompt. Joint recipe: images + the prompt in the branch's three attention blocks
+        (`pi052.joint_tokens`): the prompt through "Assistant:" bidirectional, the subtask's tokens causal,
+        [EOS, "\\n"] a block that sees itself. The branch runs them as one forward under its block mask; here
+        each block is one forward into the same cache, in order: a block sees only itself and the blocks
+        before it, so the K/V are the same."""
+        images = prepared.row.images
+        if not self.fmt.joint:
+            row = PrefixRow(images, torch.tensor(self.tok.encode(pi052.action_prompt(subtask, state), bos=True)))
+            cache = inference.ContiguousCache(self.model, self.model.prefix_length(row))
+            prefix = inference.prefill(self.model, cache, [row]).segments[0]
         else:
-            row = PrefixRow(prepared.row.images,
-                            torch.tensor(self.tok.encode(pi052.action_prompt(subtask, state), bos=True)))
-        cache = inference.ContiguousCache(self.model, 4096)
-        pre = inference.prefill(self.model, cache, [row])
-        inference.sample_actions(self.model, cache, pre.segments, torch.as_tensor(noise)[None])
+            joint = pi052.joint_tokens(self.tok, self.task, state, subtask)
+            row = PrefixRow(images, torch.tensor(joint.tokens[:joint.bidir]))
+            done = self.model.prefix_length(row)
+            total = done + len(joint.tokens) - joint.bidir
+            cache = inference.ContiguousCache(self.model, total)
+            blocks, backend = cache.allocate(total), default_backend(self.model.device)
+            self.model.prefill([row], CachedAttention(cache.kv, [CachedRow(done, Segment(blocks, done),
+                                                                           bidir=self.model.prefix_bidir(row))],
+                                                      backend, self.model.device))
+            rest = joint.tokens[joint.bidir:]
+            for n, bidir in ((joint.causal, 0), (joint.tail, joint.tail)):
+                if n:
+                    new, rest, done = rest[:n], rest[n:], done + n
+                    self.model.extend(torch.tensor(new), CachedAttention(
+                        cache.kv, [CachedRow(n, Segment(blocks, done), bidir=bidir)], backend, self.model.device))
+            prefix = Segment(blocks, total)
+        actions = inference.sample_actions(self.model, cache, [prefix], torch.as_tensor(noise)[None])
+        return actions[0].cpu().numpy()
 
 
 def run_serial(engine, fmt, wl, seconds: float, period_s: float, dt: float) -> dict:
@@ -217,13 +244,21 @@ def run_engine(engine, wl, seconds: float) -> dict:
                cycle_ms_p50=snap["frame_ms_p50"], language_tokens_per_s=snap["tokens_per_s"], chunks=len(delivered),
                frames_taken=k, late_chunks=int(sum(snap["robots"][r]["deadline_misses"] for r in engine.robots)),
                subtask_updates=sum(1 for u in updates if u.kind == "subtask"),
-               span_tokens_p50=float(np.median([len(pi052.joint_span_tokens(engine.tokenizer, u.text))
+               own_prefills=engine.stats.counter("joint_own_prefill"),
+               span_tokens_p50=float(np.median([span_tokens(engine.tokenizer, u.text)
                                                 for u in updates if u.kind == "subtask"] or [0])),
                memory_updates=sum(1 for u in updates if u.kind == "memory"),
                subtask_ms_p50=float(np.median(latency["subtask"])) if latency["subtask"] else None,
                memory_ms_p50=float(np.median(latency["memory"])) if latency["memory"] else None,
                subtasks=len(latency["subtask"]), memories=len(latency["memory"]))
     return out
+
+
+def span_tokens(tokenizer, subtask: str) -> int:
+    """How many tokens the joint recipe's actions read after the frame's prompt for `subtask`: its causal
+    tokens and the [EOS, "\\n"] block (the state's bins come before them and do not change the count)."""
+    joint = pi052.joint_tokens(tokenizer, TASK, None, subtask)
+    return joint.causal + joint.tail
 
 
 def calibrated_rate(make, wl, horizon: int) -> float:

@@ -52,8 +52,6 @@ class PrefixRow:
 
     images: torch.Tensor   # [n_cameras, 3, H, W] float in [-1, 1], already resized to the model's size
     tokens: torch.Tensor   # [n_tokens] int64, BOS first, no padding
-    causal: int = 0        # the last `causal` tokens attend causally (pi052's joint subtask span), whatever
-                           # the prefix mode: the reference forward of a prefix plus its causal span
 
 
 def openpi_times(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +123,7 @@ class Pi05(nn.Module):
         """How many leading prefix tokens attend to each other bidirectionally (see kernels/ops.py)."""
         n_image = row.images.shape[0] * self.cfg.image_tokens
         if self.cfg.prefix_language_attention == "bidirectional":
-            return n_image + row.tokens.numel() - row.causal
+            return n_image + row.tokens.numel()
         return n_image  # OxyGen: images bidirectional, language causal
 
     def prefix_length(self, row: PrefixRow) -> int:

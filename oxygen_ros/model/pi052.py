@@ -99,15 +99,9 @@ def action_prompt(subtask: str, state: str | None) -> str:
 
 
 def joint_prompt(task: str, state: str | None) -> str:
-    """The joint recipe's bidirectional prompt, `"User: {task}, State: {bins};\\n"`: the actions' prefix and,
-    followed by `"Assistant:"`, the subtask request."""
+    """The joint recipe's task turn, `"User: {task}, State: {bins};\\n"`: followed by `"Assistant:"`, the
+    frame's bidirectional prompt (the subtask request, and the first of the actions' blocks: `joint_tokens`)."""
     return render([("user", _with_state(task, state))], generation_prompt=False)
-
-
-def joint_subtask_span(subtask: str) -> str:
-    """The text of the joint recipe's span before its EOS: `"Assistant: {subtask}"`. The whole span is this
-    text, the EOS id, then `"\\n"`; `joint_tokens` gives its ids and attention as the branch builds them."""
-    return f"Assistant: {subtask}"
 
 
 def joint_request(messages: Sequence[Message]) -> str:
@@ -166,13 +160,6 @@ def joint_tokens(tokenizer: _SentencePiece, task: str, state: str | None, subtas
     bidir = 1 + (marked.index(True) if True in marked else len(ids))
     newline = tokenizer.sp.encode("\n")
     return JointPrompt([tokenizer.bos_id] + ids + [tokenizer.eos_id] + newline, bidir, sum(marked), 1 + len(newline))
-
-
-def joint_span_tokens(tokenizer: _SentencePiece, subtask: str) -> list[int]:
-    """The span's ids, `"Assistant: {subtask}" EOS "\\n"` (the text before the `<eos>` string and the text
-    after it are encoded apart, as the tokenizer call does): after `[BOS] + encode(joint_prompt(...))` they are
-    the branch's ids (test_pi052_reference). Its attention is not "all causal": see `joint_tokens`."""
-    return tokenizer.encode(joint_subtask_span(subtask)) + [tokenizer.eos_id] + tokenizer.encode("\n")
 
 
 def speech_turn(content: str, speech: Sequence[str]) -> str:
