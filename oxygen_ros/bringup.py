@@ -661,12 +661,15 @@ def run(argv: list[str], stop) -> int:
         print("oxygen_bringup: stopped", flush=True)
         return 0
     finally:
-        if engine_node.state_label != "finalized":
-            engine_node.trigger_shutdown()
-        for node in nodes:
-            node.destroy_node()
-        if rclpy.ok():
-            rclpy.shutdown()
+        # A start stopped by a signal skips the teardown: the process ends at once (exit_interrupted) with nothing
+        # moved, where destroying the nodes and DDS (in C, holding the interpreter) held a Ctrl-C past 2 s.
+        if not (stop.is_set() and not stop.running):
+            if engine_node.state_label != "finalized":
+                engine_node.trigger_shutdown()
+            for node in nodes:
+                node.destroy_node()
+            if rclpy.ok():
+                rclpy.shutdown()
         # Python puts back the default handlers of the signals it handled while it finalises (torch, DDS and
         # MuJoCo teardown: 0.7-2.6 s measured): a further Ctrl-C there killed the stopped process (exit
         # -2, 130 in a shell). Everything is stopped by now: ignore them.
