@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from oxygen_ros.model import pi052
-from oxygen_ros.model.attention import CachedAttention, CachedRow, Segment, default_backend
-from oxygen_ros.model.inference import ContiguousCache, greedy_generate, prefill, sample_actions
+from oxygen_ros.model.attention import default_backend
+from oxygen_ros.model.inference import ContiguousCache, greedy_generate, prefill, prefill_blocks, sample_actions
 from oxygen_ros.model.normalize import Normalizer
 from oxygen_ros.model.pi05 import Pi05, PrefixRow
 from oxygen_ros.model.preprocess import to_pixels
@@ -96,22 +96,9 @@ class JointReference:
     def actions(self, image: np.ndarray, state: np.ndarray, task: str, conditioning: str,
                 noise: np.ndarray) -> np.ndarray:
         joint = pi052.joint_tokens(self.tok, task, self._state(state), conditioning)
-        row = self._row(image, joint.tokens[:joint.bidir])
-        done = self.model.prefix_length(row)
-        total = done + len(joint.tokens) - joint.bidir
-        cache = ContiguousCache(self.model, total)
-        blocks = cache.allocate(total)
-        self.model.prefill([row], CachedAttention(cache.kv, [CachedRow(done, Segment(blocks, done),
-                                                                       bidir=self.model.prefix_bidir(row))],
-                                                  self.backend, self.model.device))
-        rest = joint.tokens[joint.bidir:]
-        for n, bidir in ((joint.causal, 0), (joint.tail, joint.tail)):
-            if n:
-                new, rest, done = rest[:n], rest[n:], done + n
-                self.model.extend(torch.tensor(new), CachedAttention(
-                    cache.kv, [CachedRow(n, Segment(blocks, done), bidir=bidir)], self.backend, self.model.device))
-        deltas = sample_actions(self.model, cache, [Segment(blocks, total)], torch.from_numpy(noise)[None],
-                                backend=self.backend)
+        blocks = [(joint.tokens[joint.bidir:-joint.tail], 0), (joint.tokens[-joint.tail:], joint.tail)]
+        cache, prefix = prefill_blocks(self.model, self._row(image, joint.tokens[:joint.bidir]), blocks, self.backend)
+        deltas = sample_actions(self.model, cache, [prefix], torch.from_numpy(noise)[None], backend=self.backend)
         return state + self.norm.unnormalize_actions(deltas[0].cpu().numpy())[:, :len(state)]
 
     def plan(self, image: np.ndarray, state: np.ndarray, task: str, noise: np.ndarray) -> Plan:

@@ -45,7 +45,6 @@ import torch
 from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.factory import build_engine, build_model, model_config
 from oxygen_ros.model import inference, pi052
-from oxygen_ros.model.attention import CachedAttention, CachedRow, Segment, default_backend
 from oxygen_ros.model.pi05 import PrefixRow
 from oxygen_ros.robot.policy_io import RobotIOConfig
 
@@ -128,9 +127,7 @@ class Serial:
         """The chunk's model actions [H, action_dim] on a prefill of its own. Default recipe: images + the
         action prompt. Joint recipe: images + the prompt in the branch's three attention blocks
         (`pi052.joint_tokens`): the prompt through "Assistant:" bidirectional, the subtask's tokens causal,
-        [EOS, "\\n"] a block that sees itself. The branch runs them as one forward under its block mask; here
-        each block is one forward into the same cache, in order: a block sees only itself and the blocks
-        before it, so the K/V are the same."""
+        [EOS, "\\n"] a block that sees itself (`inference.prefill_blocks`)."""
         images = prepared.row.images
         if not self.fmt.joint:
             row = PrefixRow(images, torch.tensor(self.tok.encode(pi052.action_prompt(subtask, state), bos=True)))
@@ -138,21 +135,9 @@ class Serial:
             prefix = inference.prefill(self.model, cache, [row]).segments[0]
         else:
             joint = pi052.joint_tokens(self.tok, self.task, state, subtask)
-            row = PrefixRow(images, torch.tensor(joint.tokens[:joint.bidir]))
-            done = self.model.prefix_length(row)
-            total = done + len(joint.tokens) - joint.bidir
-            cache = inference.ContiguousCache(self.model, total)
-            blocks, backend = cache.allocate(total), default_backend(self.model.device)
-            self.model.prefill([row], CachedAttention(cache.kv, [CachedRow(done, Segment(blocks, done),
-                                                                           bidir=self.model.prefix_bidir(row))],
-                                                      backend, self.model.device))
-            rest = joint.tokens[joint.bidir:]
-            for n, bidir in ((joint.causal, 0), (joint.tail, joint.tail)):
-                if n:
-                    new, rest, done = rest[:n], rest[n:], done + n
-                    self.model.extend(torch.tensor(new), CachedAttention(
-                        cache.kv, [CachedRow(n, Segment(blocks, done), bidir=bidir)], backend, self.model.device))
-            prefix = Segment(blocks, total)
+            cache, prefix = inference.prefill_blocks(
+                self.model, PrefixRow(images, torch.tensor(joint.tokens[:joint.bidir])),
+                [(joint.tokens[joint.bidir:-joint.tail], 0), (joint.tokens[-joint.tail:], joint.tail)])
         actions = inference.sample_actions(self.model, cache, [prefix], torch.as_tensor(noise)[None])
         return actions[0].cpu().numpy()
 

@@ -48,6 +48,28 @@ def prefill(model: Pi05, cache: ContiguousCache, rows: list[PrefixRow], backend:
 
 
 @torch.inference_mode()
+def prefill_blocks(model: Pi05, row: PrefixRow, blocks: list[tuple[list[int], int]],
+                   backend: str | None = None) -> tuple[ContiguousCache, Segment]:
+    """One prefix in attention blocks, on a cache of its own: `row` (images + its tokens, as `prefill`), then
+    each (tokens, bidir) block extended in order: `bidir` of its last tokens see each other (0: causal). As
+    one forward under the blocks' mask (pi052's joint recipe: prompt, subtask, [EOS, newline]): each block
+    sees only itself and the blocks before it, so the K/V are the same. Returns the cache and the prefix."""
+    backend = backend or default_backend(model.device)
+    done = model.prefix_length(row)
+    total = done + sum(len(tokens) for tokens, _ in blocks)
+    cache = ContiguousCache(model, total)
+    own = cache.allocate(total)
+    model.prefill([row], CachedAttention(cache.kv, [CachedRow(done, Segment(own, done), bidir=model.prefix_bidir(row))],
+                                         backend, model.device))
+    for tokens, bidir in blocks:
+        if tokens:
+            done += len(tokens)
+            model.extend(torch.tensor(tokens), CachedAttention(
+                cache.kv, [CachedRow(len(tokens), Segment(own, done), bidir=bidir)], backend, model.device))
+    return cache, Segment(own, total)
+
+
+@torch.inference_mode()
 def sample_actions(model: Pi05, cache: ContiguousCache, prefixes: list[Segment], noise: torch.Tensor,
                    steps: int | None = None, backend: str | None = None, record: list | None = None):
     backend = backend or default_backend(model.device)
