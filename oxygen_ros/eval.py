@@ -39,7 +39,8 @@ import numpy as np
 import torch
 import yaml
 
-from oxygen_ros.engine.engine import POLICIES, ChunkResult, EngineConfig
+from oxygen_ros.engine.config import POLICIES, EngineConfig
+from oxygen_ros.engine.engine import ChunkResult
 from oxygen_ros.robot.configs import demo_checkpoint
 from oxygen_ros.engine.factory import build_engine, build_model, model_config
 from oxygen_ros.engine.requests import Reply, TextRequest

@@ -25,7 +25,7 @@ from oxygen_ros.model.pi052 import Pi052Format
 from oxygen_ros.robot.errors import InputError
 
 from .capacity import Capacity, CapacityCheck
-from .config import POLICIES, EngineConfig
+from .config import EngineConfig
 from .cycle import CycleReport, Frame, Listeners
 from .frames import FramePreparer
 from .intake import Intake, Pending, PreparerThread
