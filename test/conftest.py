@@ -140,6 +140,29 @@ def obs():
     return make_observation
 
 
+@pytest.fixture
+def ros():
+    """A private rclpy context for nodes built in the test process: .context, .add(node) -> node (destroyed,
+    with the context, after the test)."""
+    import types
+
+    import rclpy
+    from rclpy.context import Context
+
+    context = Context()
+    rclpy.init(context=context)
+    nodes = []
+
+    def add(node):
+        nodes.append(node)
+        return node
+
+    yield types.SimpleNamespace(context=context, add=add)
+    for node in nodes:
+        node.destroy_node()
+    rclpy.shutdown(context=context)
+
+
 def drain(engine, start: int = 100, limit: int = 200, frames=None) -> None:
     """Run synchronous cycles on fresh observations (`frames(i)` -> {robot: obs}; default the single robot's
     make_observation(i)) until no request is active or queued; fail after `limit` cycles."""

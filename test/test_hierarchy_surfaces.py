@@ -71,25 +71,6 @@ def test_state_topics_are_latched_and_speech_is_not():
 
 
 # ------------------------------------------------------------------------------------------ the nodes
-@pytest.fixture
-def ros():
-    import rclpy
-    from rclpy.context import Context
-
-    context = Context()
-    rclpy.init(context=context)
-    nodes = []
-
-    def add(node):
-        nodes.append(node)
-        return node
-
-    yield SimpleNamespace(context=context, add=add)
-    for node in nodes:
-        node.destroy_node()
-    rclpy.shutdown(context=context)
-
-
 def conversation(ros, engine, **params):
     from rclpy.parameter import Parameter
 

@@ -11,9 +11,7 @@ from types import SimpleNamespace
 import cv2
 import numpy as np
 import pytest
-import rclpy
 from geometry_msgs.msg import PoseStamped, TwistStamped
-from rclpy.context import Context
 from rclpy.parameter import Parameter
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Float64MultiArray, String
@@ -24,22 +22,6 @@ from oxygen_ros.robot.chunks import ActionChunkPlan
 
 DT = 1 / 70.0
 NAMES = [f"j{i}" for i in range(7)]
-
-
-@pytest.fixture
-def ros():
-    context = Context()
-    rclpy.init(context=context)
-    nodes = []
-
-    def add(node):
-        nodes.append(node)
-        return node
-
-    yield SimpleNamespace(context=context, add=add)
-    for node in nodes:
-        node.destroy_node()
-    rclpy.shutdown(context=context)
 
 
 @pytest.fixture
