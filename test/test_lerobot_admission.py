@@ -11,7 +11,6 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import grpc
 import numpy as np
@@ -20,34 +19,8 @@ import pytest
 from oxygen_ros.serve.lerobot import services_pb2 as pb
 from oxygen_ros.serve.lerobot.server import RefusalLog
 from oxygen_ros.serve.lerobot.wire import RemotePolicyConfig, encode
-from test_lerobot_serve import HORIZON, RobotClientReplay, lerobot_features, observation, served, status_of
-
-
-@contextmanager
-def honest_client(server):
-    """A LeRobot client sending observations and fetching chunks in a loop on its own connection; yields the
-    timesteps of the chunks it got (after its first one)."""
-    client = RobotClientReplay(server.port)
-    client.start(actions_per_chunk=4)
-    rng, stop, seen = np.random.default_rng(11), threading.Event(), []
-
-    def drive():
-        step = 0
-        while not stop.is_set():
-            client.send(observation(rng, timestep=step))
-            actions = client.get_actions()
-            if actions:
-                seen.append(actions[0].timestep)
-            step += 1
-    thread = threading.Thread(target=drive)
-    thread.start()
-    try:
-        assert _wait_for(lambda: seen, 60.0), "the honest client got no chunk"
-        yield seen
-    finally:
-        stop.set()
-        thread.join()
-        client.close()
+from test_lerobot_serve import (HORIZON, RobotClientReplay, honest_client, lerobot_features, observation, served,
+                                status_of)
 
 
 def _wait_for(predicate, timeout: float) -> bool:

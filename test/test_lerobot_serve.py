@@ -298,47 +298,54 @@ def hostile_payloads(rng, marker):
     }
 
 
+@contextmanager
+def honest_client(server):
+    """A LeRobot client sending observations and fetching chunks in a loop on its own connection; yields the
+    timesteps of the chunks it got (after its first one)."""
+    client = RobotClientReplay(server.port)
+    client.start(actions_per_chunk=4)
+    rng, stop, seen = np.random.default_rng(11), threading.Event(), []
+
+    def drive():
+        step = 0
+        while not stop.is_set():
+            client.send(observation(rng, timestep=step))
+            actions = client.get_actions()
+            if actions:
+                seen.append(actions[0].timestep)
+            step += 1
+    thread = threading.Thread(target=drive)
+    thread.start()
+    try:
+        assert _wait_for(lambda: seen, 60.0), "the honest client got no chunk"
+        yield seen
+    finally:
+        stop.set()
+        thread.join()
+        client.close()
+
+
 def test_hostile_payloads_get_an_error_status_while_another_client_is_served(tmp_path):
     rng = np.random.default_rng(2)
     marker = tmp_path / "pwned"
-    with served(max_message_bytes=2 << 20) as server:
-        good, bad = RobotClientReplay(server.port), RobotClientReplay(server.port)
-        good.start(actions_per_chunk=4)
+    with served(max_message_bytes=2 << 20) as server, honest_client(server) as chunks_seen:
+        bad = RobotClientReplay(server.port)
         bad.start(actions_per_chunk=4)
-        stop, chunks_seen = threading.Event(), []
-
-        def drive():
-            step = 0
-            while not stop.is_set():
-                good.send(observation(rng, timestep=step))
-                actions = good.get_actions()
-                if actions:
-                    chunks_seen.append(actions[0].timestep)
-                step += 1
-        thread = threading.Thread(target=drive)
-        thread.start()
-        try:
-            # Served before the hostile payloads start (on a quiet machine they all take less than a first chunk).
-            assert _wait_for(lambda: chunks_seen, timeout=60.0), "the good client got no chunk"
-            for name, (payload, code, words) in hostile_payloads(np.random.default_rng(3), marker).items():
-                got, text = status_of(lambda: bad.send(payload))
-                assert (name, got.name) == (name, code), text
-                assert words in text, (name, text)
-            for name, messages in {"no END": [pb.Observation(transfer_state=pb.TRANSFER_BEGIN, data=b"x")],
-                                   "unknown state": [pb.Observation(transfer_state=pb.TRANSFER_UNKNOWN, data=b"x")]
-                                   }.items():
-                got, text = status_of(lambda: bad.stub.SendObservations(iter(messages)))
-                assert got == grpc.StatusCode.INVALID_ARGUMENT, (name, text)
-            n = len(chunks_seen)
-            time.sleep(1.0)
-        finally:
-            stop.set()
-            thread.join()
+        # Served before the hostile payloads start (on a quiet machine they all take less than a first chunk).
+        for name, (payload, code, words) in hostile_payloads(np.random.default_rng(3), marker).items():
+            got, text = status_of(lambda: bad.send(payload))
+            assert (name, got.name) == (name, code), text
+            assert words in text, (name, text)
+        for name, messages in {"no END": [pb.Observation(transfer_state=pb.TRANSFER_BEGIN, data=b"x")],
+                               "unknown state": [pb.Observation(transfer_state=pb.TRANSFER_UNKNOWN, data=b"x")]
+                               }.items():
+            got, text = status_of(lambda: bad.stub.SendObservations(iter(messages)))
+            assert got == grpc.StatusCode.INVALID_ARGUMENT, (name, text)
+        n = len(chunks_seen)
+        assert _wait_for(lambda: len(chunks_seen) > n, 30.0), "the other client was not served after the payloads"
         assert not marker.exists()
-        assert n > 0 and len(chunks_seen) > n                 # the other client was served throughout
         bad.send(observation(rng, timestep=9))                 # and the hostile one's session still works
         assert bad.first_chunk()[0].timestep == 9
-        good.close()
         bad.close()
 
 
