@@ -72,10 +72,32 @@ def test_one_connection_cannot_hold_the_workers_with_stalled_streams():
                          grpc.StatusCode.UNAVAILABLE}, codes
         assert any("1 call in flight per connection" in text for code, text in codes
                    if code == grpc.StatusCode.RESOURCE_EXHAUSTED)
-        assert any("did not end within 2 s (1024 bytes received)" in text for code, text in codes
+        # Answered when it stopped sending (stream_stall_s), not at the whole stream's deadline.
+        assert any("sent nothing for 0.8 s (1024 bytes received)" in text for code, text in codes
                    if code == grpc.StatusCode.DEADLINE_EXCEEDED)
         for c in newcomers + [bad]:
             c.close()
+
+
+def _dripping_stream(stop: threading.Event):
+    yield pb.Observation(transfer_state=pb.TRANSFER_BEGIN, data=b"x" * 1024)
+    while not stop.wait(0.3):                         # a chunk every 0.3 s, never the END
+        yield pb.Observation(transfer_state=pb.TRANSFER_MIDDLE, data=b"x" * 1024)
+
+
+def test_a_stream_that_keeps_dripping_ends_at_the_whole_streams_deadline():
+    with served() as server:
+        bad = RobotClientReplay(server.port)
+        bad.start()
+        stop = threading.Event()
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                bad.stub.SendObservations(_dripping_stream(stop), timeout=30)
+        finally:
+            stop.set()
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "the observation stream did not end within 2 s (" in e.value.details(), e.value.details()
+        bad.close()
 
 
 def test_one_connection_cannot_hold_the_workers_with_waiting_get_actions():

@@ -706,7 +706,7 @@ def lerobot_main(json_path: str | None) -> int:
     """The LeRobot server under issue 40's attacks (items 1-4), one after the other, an honest client (two
     640x480 cameras, closed loop: observation, then GetActions until its chunk) throughout. Per attack: the
     replies, the time to them (per call; for many calls at once the slowest refusal, and apart the calls
-    admitted: a GetActions' own wait, a stalled stream's deadline of 2 s), the server's peak resident growth
+    admitted: a GetActions' own wait, a stalled stream's end when it sent nothing for 0.8 s), the server's peak resident growth
     (VmHWM reset through /proc/PID/clear_refs before each), its log's growth, the honest client's slowest
     observation-to-chunk time overlapping the attack. Targets: refusals within 1 s with a specific status,
     growth < 100 MB per attack and < 300 MB in total, the honest client's chunk within one chunk period and
@@ -738,7 +738,7 @@ def lerobot_main(json_path: str | None) -> int:
     result["answer_s_per_call"] = {k: round(v, 4) for k, v in per_call.items()}
     result["targets"] = {
         "refused_within_1_s": all(v < 1.0 for v in per_call.values()),
-        "stalled_stream_ended_at_its_deadline": a["stalled_streams_24_one_connection"]["admitted_answered_s"] < 3.0,
+        "stalled_stream_answered_within_1_s": a["stalled_streams_24_one_connection"]["admitted_answered_s"] < 1.0,
         "no_internal": not any("INTERNAL" in json.dumps(v) for v in a.values()),
         "growth_below_100_mb_per_attack": all(v["server_peak_growth_mb"] < 100 for v in a.values()),
         "growth_below_300_mb_in_total": rss_end - rss_start < 300,

@@ -83,11 +83,16 @@ class LeRobotOptions:
     actions_wait_s: float = 2.0          # GetActions' wait before an empty reply (LeRobot's obs_queue_timeout)
     idle_timeout_s: float = 15.0         # a client without a call for this long is gone
     stream_timeout_s: float = 2.0        # one observation's whole stream (a stale one after a chunk period anyway)
+    stream_stall_s: float = 0.8          # a stream with no chunk for this long has stopped sending (a 2 MiB chunk
+                                         # of LeRobot's client takes 0.8 s at 21 Mbit/s)
 
     def problems(self) -> list[str]:
         out = listener_problems(self.port, self.max_clients, self.max_message_bytes)
         if not self.stream_timeout_s > 0:
             out.append(f"stream_timeout_s {self.stream_timeout_s} must be positive")
+        if not 0 < self.stream_stall_s <= self.stream_timeout_s:
+            out.append(f"stream_stall_s {self.stream_stall_s} must be positive and at most stream_timeout_s "
+                       f"{self.stream_timeout_s}")
         if self.fps is not None and not self.fps > 0:
             out.append(f"fps {self.fps} must be positive")
         if not self.actions_wait_s > 0:
@@ -451,8 +456,9 @@ class LeRobotServer(services_pb2_grpc.AsyncInferenceServicer):
     def _reassemble(self, request_iterator, context, client: Client) -> bytes:
         """LeRobot's chunked transfer: BEGIN starts (a lone END is a whole observation), MIDDLE appends, END
         ends. The bytes of the whole stream are counted against the cap before each chunk is kept, and the
-        stream must end within `stream_timeout_s` (DEADLINE_EXCEEDED): a reader thread pulls the chunks, at
-        most two ahead, so that this call can give up on a client that stops sending."""
+        stream must end within `stream_timeout_s` and bring a chunk at least every `stream_stall_s`
+        (DEADLINE_EXCEEDED): a reader thread pulls the chunks, at most two ahead, so that this call can give up
+        on a client that stops sending."""
         cap, parts, size = self.options.max_message_bytes, [], 0
         chunks: queue.Queue = queue.Queue(maxsize=2)
         done = threading.Event()
@@ -480,12 +486,14 @@ class LeRobotServer(services_pb2_grpc.AsyncInferenceServicer):
         deadline = time.monotonic() + self.options.stream_timeout_s
         try:
             while True:
+                wait = min(deadline - time.monotonic(), self.options.stream_stall_s)
                 try:
-                    message = chunks.get(timeout=max(0.0, deadline - time.monotonic()))
+                    message = chunks.get(timeout=max(0.0, wait))
                 except queue.Empty:
+                    why = (f"did not end within {self.options.stream_timeout_s:g} s" if time.monotonic() >= deadline
+                           else f"sent nothing for {self.options.stream_stall_s:g} s")
                     raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                 f"the observation stream did not end within {self.options.stream_timeout_s:g} s "
-                                 f"({size} bytes received)") from None
+                                 f"the observation stream {why} ({size} bytes received)") from None
                 if message is None or message is grpc.RpcError:
                     gone = message is grpc.RpcError
                     break
