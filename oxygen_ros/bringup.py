@@ -502,7 +502,8 @@ def _file_problems(engine: dict, console: dict, record_path) -> list[str]:
     from .console.guard import read_token
     from .model.download import is_remote       # a hub id or gs:// URL: the engine node fetches it
 
-    problems = [f"{key} not found: {engine[key]}" for key in ("checkpoint", "tokenizer", "norm_stats")
+    keys = ("checkpoint", "checkpoint_base", "tokenizer", "norm_stats")
+    problems = [f"{key} not found: {engine[key]}" for key in keys
                 if isinstance(engine.get(key), str) and engine[key] and not is_remote(engine[key])
                 and not Path(engine[key]).exists()]
     if console.get("port") and isinstance(console.get("token_file"), str) and console["token_file"]:

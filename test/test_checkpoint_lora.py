@@ -114,3 +114,17 @@ def test_an_adapter_folder_with_full_weights_too_is_ambiguous(hub, tmp_path):
     shutil.copy(LEROBOT / "model.safetensors", folder / "model.safetensors")
     with pytest.raises(CheckpointError, match="both model.safetensors and a PEFT adapter"):
         check_weights(folder, LEROBOT_CONFIG)
+
+
+def test_a_given_base_replaces_the_one_the_adapter_names(tmp_path):
+    """checkpoint_base: the adapter's base from a local copy (its adapter_config.json names a repo nobody can
+    reach here: no hub is served): the merge equals PEFT's, as with the named base; a base given for a
+    checkpoint that is not an adapter is refused in one line."""
+    folder = adapter_copy(tmp_path, base_model_name_or_path="nobody/unreachable_base")
+    merged = load_pi05(folder, LEROBOT_CONFIG, base=LEROBOT)
+    reference = load_file(str(LORA / "lerobot_default" / "peft_merged.safetensors"))
+    for local, param in merged.named_parameters():
+        assert torch.equal(param, reference[lerobot_name(local)]), local
+    assert check_weights(folder, LEROBOT_CONFIG, LEROBOT)[1]
+    with pytest.raises(CheckpointError, match="not a PEFT LoRA adapter"):
+        check_weights(LEROBOT, LEROBOT_CONFIG, LEROBOT)

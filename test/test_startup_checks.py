@@ -130,3 +130,11 @@ def test_so101_is_a_bringup_robot():
     from oxygen_ros.bringup import parse_args
 
     assert parse_args(["--robot", "so101"])[0].robot == "so101"
+
+
+def test_a_missing_adapter_base_is_named_before_the_load(tmp_path):
+    from oxygen_ros.bringup import _file_problems
+
+    missing = str(tmp_path / "pi05_base_copy")
+    assert _file_problems({"checkpoint_base": missing}, {}, None) == [f"checkpoint_base not found: {missing}"]
+    assert _file_problems({"checkpoint_base": "lerobot/pi05_base"}, {}, None) == []     # fetched by the node

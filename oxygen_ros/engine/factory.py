@@ -37,18 +37,18 @@ def model_config(model: str | Pi05Config, **overrides) -> Pi05Config:
 
 
 def build_model(cfg: Pi05Config, checkpoint: str | None = None, device: str = "cpu",
-                dtype: torch.dtype | None = None, seed: int = 0, stop=None) -> Pi05:
+                dtype: torch.dtype | None = None, seed: int = 0, stop=None, checkpoint_base: str | None = None) -> Pi05:
     """Weights from the checkpoint, or deterministic random weights (demo and tests) when none is given.
     `stop`: load_pi05's (a threading.Event that ends the load between tensors)."""
     dtype = dtype or DEFAULT_DTYPE[torch.device(device).type]
     if checkpoint:
-        return load_pi05(checkpoint, cfg, device, dtype, stop=stop)
+        return load_pi05(checkpoint, cfg, device, dtype, stop=stop, base=checkpoint_base)
     model = init_random_weights(Pi05(cfg), seed)
     return model.to(device=device).to_serving_dtype(dtype).eval().requires_grad_(False)
 
 
 def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = None,
-                 tokenizer: str | None = None, norm_stats: str | Mapping[str, str | None] | None = None,
+                 checkpoint_base: str | None = None, tokenizer: str | None = None, norm_stats: str | Mapping[str, str | None] | None = None,
                  asset_id: str | Mapping[str, str | None] | None = None,
                  engine: EngineConfig | None = None, device: str = "cpu", dtype: torch.dtype | None = None,
                  kv_budget_mb: float = 256.0, block_size: int = 16, backend: str | None = None,
@@ -76,7 +76,8 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
         # Real weights need their own tokenizer; random weights (benchmarks) run with the shipped small one.
         raise ValueError("a full-vocabulary checkpoint needs its tokenizer: give the PaliGemma tokenizer path")
     tok = Tokenizer(tokenizer) if tokenizer else Tokenizer.tiny()
-    net = built_model if built_model is not None else build_model(cfg, checkpoint, device, dtype, seed, stop)
+    net = built_model if built_model is not None else \
+        build_model(cfg, checkpoint, device, dtype, seed, stop, checkpoint_base)
     backend = backend or default_backend(net.device)
     net.backend = backend
     pool = KVPool.from_budget(int(kv_budget_mb * 2**20), cfg.vlm.depth, cfg.vlm.num_kv_heads, cfg.vlm.head_dim,
@@ -90,7 +91,8 @@ def build_engine(model: str | Pi05Config = "tiny", *, checkpoint: str | None = N
                   text_format=lerobot.pi052 if lerobot else None)
 
 
-def file_problems(cfg: Pi05Config, *, checkpoint: str | None = None, tokenizer: str | None = None,
+def file_problems(cfg: Pi05Config, *, checkpoint: str | None = None, checkpoint_base: str | None = None,
+                  tokenizer: str | None = None,
                   norm_stats: str | Mapping[str, str | None] | None = None,
                   asset_id: str | Mapping[str, str | None] | None = None, robot_io: RobotIOConfig | None = None,
                   robots: Mapping[str, RobotIOConfig] | None = None) -> list[str]:
@@ -113,7 +115,7 @@ def file_problems(cfg: Pi05Config, *, checkpoint: str | None = None, tokenizer: 
     there = (lambda source: source if source and present(source) else None)
     checkpoint, tokenizer = there(checkpoint), there(tokenizer)
     if checkpoint:
-        check(lambda: check_weights(checkpoint, cfg))
+        check(lambda: check_weights(checkpoint, cfg, there(checkpoint_base)))
     if tokenizer:
         check(lambda: Tokenizer(tokenizer))
     try:

@@ -370,23 +370,29 @@ def _relative_mask(action_dim: int, exclude_joints: list[str], action_names: lis
     return tuple(mask + [True] * (action_dim - len(mask)))
 
 
-def check_weights(path: str | Path, cfg: Pi05Config) -> tuple[str, dict[str, tuple[Path, str]]]:
+def check_weights(path: str | Path, cfg: Pi05Config, base: str | Path | None = None
+                  ) -> tuple[str, dict[str, tuple[Path, str]]]:
     """The checkpoint's format and key map (read_key_map), once its files' headers (no tensor is read) show
     every weight of `cfg` in its shape and in a floating dtype: otherwise a CheckpointError naming the keys.
     Cheap: the engine node runs it at configure, with its other checks, before anything is loaded. A PEFT
     LoRA adapter folder (model/lora.py) maps its base's weights (fetched by name when it is a hub id) and is
-    checked against them: targets, ranks, shapes."""
-    fmt, mapping, adapter = _weights_and_adapter(path, cfg)
+    checked against them: targets, ranks, shapes; `base`: another base than the one it names."""
+    fmt, mapping, adapter = _weights_and_adapter(path, cfg, base)
     return fmt, mapping
 
 
-def _weights_and_adapter(path: str | Path, cfg: Pi05Config):
+def _weights_and_adapter(path: str | Path, cfg: Pi05Config, base: str | Path | None = None):
+    """`base`: a LoRA adapter's base when not the one its adapter_config.json names (a local copy, a mirror)."""
     adapter = read_adapter(path) if is_adapter(path) else None
+    if adapter is None and base:
+        raise CheckpointError(f"{folder_of(path)}: a base checkpoint ({base}) is given, but this is not a PEFT LoRA "
+                              f"adapter (no adapter_config.json): only an adapter has a base")
     if adapter is not None:
-        base = resolve_checkpoint(adapter.base if adapter.revision is None or parse_name(adapter.base).kind != "hub"
+        named = base or adapter.base
+        base = resolve_checkpoint(named if base or adapter.revision is None or parse_name(adapter.base).kind != "hub"
                                   else f"{adapter.base}@{adapter.revision}")
         if is_adapter(base):
-            raise CheckpointError(f"{adapter.folder}: its base {adapter.base} is itself an adapter")
+            raise CheckpointError(f"{adapter.folder}: its base {named} is itself an adapter")
         if present(folder_of(path) / "model.safetensors"):
             raise CheckpointError(f"{folder_of(path)}: holds both model.safetensors and a PEFT adapter: which "
                                   f"weights are the policy's is ambiguous")
@@ -446,12 +452,13 @@ class LoadStopped(Exception):
 
 
 def load_pi05(path: str | Path, cfg: Pi05Config, device: str | torch.device = "cpu",
-              dtype: torch.dtype = torch.float32, islands: bool = True, stop=None) -> Pi05:
+              dtype: torch.dtype = torch.float32, islands: bool = True, stop=None,
+              base: str | Path | None = None) -> Pi05:
     """Build the model for `cfg` and fill it from the checkpoint at `path` (directory or file), in `dtype`
     except openpi's float32 islands (pi05.FLOAT32_ISLANDS) unless `islands` is False. `stop` (a
     threading.Event): checked before each tensor, LoadStopped once it is set (a full π0.5 takes minutes to
-    read; a Ctrl-C must not wait for the rest)."""
-    fmt, mapping, adapter = _weights_and_adapter(path, cfg)
+    read; a Ctrl-C must not wait for the rest). `base`: a LoRA adapter's base, when not the one it names."""
+    fmt, mapping, adapter = _weights_and_adapter(path, cfg, base)
     started = time.monotonic()
     with torch.device("meta"):
         model = Pi05(cfg)

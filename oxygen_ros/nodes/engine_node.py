@@ -52,6 +52,9 @@ PARAMS = ENGINE_PARAMS + [
     Param("checkpoint", "", "openpi or LeRobot pi05 checkpoint: a directory (model.safetensors), the file, a hub "
                             "id org/name[@revision] or a gs:// URL (fetched once into the hub's / openpi's cache). "
                             "Empty: deterministic random weights (demo and benchmarks only)."),
+    Param("checkpoint_base", "", "A PEFT LoRA adapter checkpoint's base when not the one its adapter_config.json "
+                                 "names (base_model_name_or_path): a local copy or a mirror; a directory, a hub id "
+                                 "org/name[@revision] or a gs:// URL. Empty: the base the adapter names."),
     Param("tokenizer", "", "SentencePiece model (the PaliGemma tokenizer for real checkpoints; a file or a gs:// "
                            "URL). Empty: the small tokenizer shipped for the tiny/bench presets."),
     Param("norm_stats", "", "openpi norm_stats.json, a checkpoint directory holding "
@@ -285,7 +288,7 @@ class EngineNode(LifecycleNode):
         p = self.p
         if p["model"] not in PRESETS and not Path(p["model"]).is_file():
             problems.append(f"model {p['model']!r} is neither a preset ({', '.join(PRESETS)}) nor a config file")
-        for key in ("checkpoint", "norm_stats", "tokenizer"):     # a hub id or gs:// URL: fetched once, verified
+        for key in ("checkpoint", "checkpoint_base", "norm_stats", "tokenizer"):   # a hub id or gs:// URL: fetched
             if isinstance(p[key], str) and p[key] and is_remote(p[key]):
                 try:
                     p = dict(p, **{key: str(self._fetch(p[key], NORM_STATS if key == "norm_stats" else CHECKPOINT,
@@ -296,7 +299,7 @@ class EngineNode(LifecycleNode):
         self.fleet, fetch_problems = fetch_norm_stats(self.fleet, lambda robot: self._fetch(
             robot.norm_stats, NORM_STATS, status_name("norm_stats download", robot.name)))
         problems += fetch_problems
-        for key in ("checkpoint", "tokenizer", "norm_stats"):
+        for key in ("checkpoint", "checkpoint_base", "tokenizer", "norm_stats"):
             if p[key] and not Path(p[key]).exists():
                 problems.append(f"{key} not found: {p[key]}")
         device = p["device"]
@@ -363,7 +366,8 @@ class EngineNode(LifecycleNode):
         problems += engine_cfg.template_problems()
         robots = self._robots(p)
         if cfg is not None:
-            problems += file_problems(cfg, checkpoint=p["checkpoint"] or None, tokenizer=p["tokenizer"] or None,
+            problems += file_problems(cfg, checkpoint=p["checkpoint"] or None,
+                                      checkpoint_base=p["checkpoint_base"] or None, tokenizer=p["tokenizer"] or None,
                                       **robots)
         if problems:        # each once: a checkpoint's config.json is read for its settings and its policy
             raise ParameterError("\n".join(dict.fromkeys(problems)))
@@ -375,8 +379,8 @@ class EngineNode(LifecycleNode):
             engine_cfg.validate()
             with LongTask(f"loading model {p['model']} from {source}{size} on {device}", self.get_logger().info):
                 engine = build_engine(
-                    cfg, checkpoint=p["checkpoint"] or None, tokenizer=p["tokenizer"] or None,
-                    engine=engine_cfg,
+                    cfg, checkpoint=p["checkpoint"] or None, checkpoint_base=p["checkpoint_base"] or None,
+                    tokenizer=p["tokenizer"] or None, engine=engine_cfg,
                     device=device, kv_budget_mb=p["kv_budget_mb"], block_size=p["block_size"],
                     backend=None if p["attention_backend"] == "auto" else p["attention_backend"],
                     state_in_prompt=state_in_prompt, seed=p["seed"], stop=self._stop_loading, **robots)
