@@ -153,7 +153,8 @@ def multistep_data(tmp_path_factory):
 def test_multistep_samples_head_for_their_labelled_cube(multistep_data):
     d = multistep_data
     assert d["image"].shape == (120, 64, 64, 3) and {"order", "done", "kind"} <= set(d)
-    assert (d["done"] > 0).sum() >= 20, "samples after a first step done"
+    # sampled twice as often once a step is done: more than half the samples (at one rate: 41 of 120 here)
+    assert (d["done"] > 0).sum() > 60, "samples after a first step done"
     for i in range(120):
         layout, task = _layout(d, i), task_of(d, i)
         assert d["target"][i] == task.order[d["done"][i]], "the chunk's cube is the subtask's"

@@ -118,7 +118,9 @@ def generate_policy_shard(seed: int, shard: int, checkpoint: Path, size: int = S
 # every sample is labelled with the step it was taken in (its subtask and progress memory are derived from
 # the task's order and that step at training time). Episodes end when the last cube is touched.
 MULTISTEP_STEPS_PER_TASK_STEP = 110     # the expert reaches a cube in ~40-90 ticks
-MULTISTEP_SAMPLE_RATE = 1 / 14          # samples per tick (~6 per step)
+# Samples per tick (~6 per step before the first is done, ~12 after): at one rate, 57% of the samples came
+# before the first step was done, and only the others carry a progress memory to learn or show a dark cube.
+MULTISTEP_SAMPLE_RATES = (1 / 14, 1 / 7)    # before the first step is done, after
 
 
 def generate_multistep_shard(seed: int, shard: int, image_size: int, horizon: int,
@@ -146,7 +148,7 @@ def generate_multistep_shard(seed: int, shard: int, image_size: int, horizon: in
             chunk = expert_chunk(q, inverse_kinematics(touch_point(layout.positions[judge.target])), horizon)
             if step % replan == 0:
                 executed, offset = chunk, rng.normal(0.0, CHUNK_OFFSET_NOISE, size=3)
-            if rng.random() < MULTISTEP_SAMPLE_RATE and len(out["image"]) < size:
+            if rng.random() < MULTISTEP_SAMPLE_RATES[min(judge.done, 1)] and len(out["image"]) < size:
                 _add_sample(out, scene, q, chunk, _scene_truth(layout, judge.target))
                 out["order"].append(order)
                 out["done"].append(judge.done)
