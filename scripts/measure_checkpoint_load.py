@@ -91,7 +91,9 @@ def load(folder: Path, dtype: str, preset_name: str) -> None:
     model = load_pi05(folder, cfg, dtype=DTYPES[dtype][0])
     seconds = time.monotonic() - start
     loaded = peak_rss()
-    engine = build_engine(built_model=model, kv_budget_mb=64.0)
+    # The KV pool: room for a few frames of this model (the engine refuses one that cannot hold two cycles);
+    # pi05's prefix of ~1,000 tokens is 18 layers x 2 x 256 values a token: 36 MB in float32.
+    engine = build_engine(built_model=model, kv_budget_mb=64.0 if preset_name != "pi05" else 256.0)
     frame = first_frame()
     noise = np.random.default_rng(1).standard_normal((cfg.action_horizon, cfg.action_dim)).astype(np.float32)
     cycle_start = time.monotonic()
