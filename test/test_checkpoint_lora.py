@@ -128,3 +128,23 @@ def test_a_given_base_replaces_the_one_the_adapter_names(tmp_path):
     assert check_weights(folder, LEROBOT_CONFIG, LEROBOT)[1]
     with pytest.raises(CheckpointError, match="not a PEFT LoRA adapter"):
         check_weights(LEROBOT, LEROBOT_CONFIG, LEROBOT)
+
+
+def test_the_engine_node_fetches_the_base_an_adapter_names_as_its_own_download(hub, tmp_path):
+    """An adapter folder whose base is a hub id: the engine node fetches the base before the load, as it fetches
+    the checkpoint (its status `checkpoint_base download` in /diagnostics), and serves the merged weights."""
+    from test_checkpoint_sources import Published, engine_node
+
+    config = tmp_path / "model.json"
+    config.write_text(json.dumps(LEROBOT_CONFIG.to_dict()))
+    with engine_node({"checkpoint": str(LORA / "lerobot_default"), "model": str(config)}) as node:
+        node._diag_pub = published = Published()
+        node.trigger_configure()
+        assert node.engine is not None, node.failure
+        node._publish_diagnostics()
+        merged = dict(node.engine.runner.model.named_parameters())
+    statuses = [s for _, s in published.statuses("oxygen_ros: checkpoint_base download")]
+    assert statuses and statuses[-1][2].startswith(f"downloaded {BASE_ID}"), statuses
+    reference = load_file(str(LORA / "lerobot_default" / "peft_merged.safetensors"))
+    for local, param in merged.items():
+        assert torch.equal(param.float(), reference[lerobot_name(local)]), local

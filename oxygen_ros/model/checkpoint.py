@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from .config import LIMITS, Pi05Config
 from .files import (LEROBOT_POSTPROCESSOR, LEROBOT_PREPROCESSOR, CheckpointError, JsonObject, is_file_name,
                     present, processor_steps, regular_file)
-from .download import parse_name, resolve_checkpoint
+from .download import resolve_checkpoint
 from .lora import is_adapter, read_adapter
 from .openpi_jax import JaxParams, is_jax_checkpoint
 from .pi05 import Pi05, param_dtype
@@ -388,9 +388,8 @@ def _weights_and_adapter(path: str | Path, cfg: Pi05Config, base: str | Path | N
         raise CheckpointError(f"{folder_of(path)}: a base checkpoint ({base}) is given, but this is not a PEFT LoRA "
                               f"adapter (no adapter_config.json): only an adapter has a base")
     if adapter is not None:
-        named = base or adapter.base
-        base = resolve_checkpoint(named if base or adapter.revision is None or parse_name(adapter.base).kind != "hub"
-                                  else f"{adapter.base}@{adapter.revision}")
+        named = base or adapter.base_name
+        base = resolve_checkpoint(named)
         if is_adapter(base):
             raise CheckpointError(f"{adapter.folder}: its base {named} is itself an adapter")
         if present(folder_of(path) / "model.safetensors"):

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .download import parse_name
 from .files import CheckpointError, JsonObject, present, regular_file
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -77,6 +78,12 @@ class LoraAdapter:
     # Read from the weights file: {module: (lora_A key, lora_B key)} and {parameter key: file key}.
     lora: dict[str, tuple[str, str]] = field(default_factory=dict)
     saved: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def base_name(self) -> str:
+        """The base as a checkpoint name (model/download.py): a hub id at the adapter's revision, or as written."""
+        hub = self.revision is not None and parse_name(self.base).kind == "hub"
+        return f"{self.base}@{self.revision}" if hub else self.base
 
     @property
     def weights(self) -> Path:

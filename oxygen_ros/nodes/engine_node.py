@@ -19,6 +19,7 @@ Transitions (standard lifecycle services /oxygen_engine/change_state, get_state.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 from pathlib import Path
 from typing import Callable, Protocol
@@ -36,6 +37,7 @@ from oxygen_ros.engine.factory import build_engine, file_problems, model_config
 from oxygen_ros.model.checkpoint import LoadStopped, checkpoint_settings, lerobot_policy
 from oxygen_ros.model.config import LIMITS, PREFIX_MODES, PRESETS
 from oxygen_ros.model.download import CHECKPOINT, NORM_STATS, Wanted, is_remote, resolve_checkpoint
+from oxygen_ros.model.lora import is_adapter, read_adapter
 from oxygen_ros.progress import LongTask, human_bytes, size_of
 from oxygen_ros.robot.policy_io import RobotIOConfig
 
@@ -289,6 +291,11 @@ class EngineNode(LifecycleNode):
         if p["model"] not in PRESETS and not Path(p["model"]).is_file():
             problems.append(f"model {p['model']!r} is neither a preset ({', '.join(PRESETS)}) nor a config file")
         for key in ("checkpoint", "checkpoint_base", "norm_stats", "tokenizer"):   # a hub id or gs:// URL: fetched
+            if key == "checkpoint_base" and not p[key] and p["checkpoint"] and is_adapter(p["checkpoint"]):
+                with contextlib.suppress(ValueError):       # a bad adapter config: the checkpoint's check says so
+                    named = read_adapter(p["checkpoint"]).base_name
+                    if is_remote(named):                    # the adapter's base fetched here, in /diagnostics
+                        p = dict(p, checkpoint_base=named)
             if isinstance(p[key], str) and p[key] and is_remote(p[key]):
                 try:
                     p = dict(p, **{key: str(self._fetch(p[key], NORM_STATS if key == "norm_stats" else CHECKPOINT,
