@@ -455,6 +455,14 @@ def startup_topics(files: list[str], ros_args: list[str]) -> dict[str, str]:
     return {"commands": str(action["action_topic"]), "state": str(observation.get("state_topic", state_default))}
 
 
+def inactive_status(engine_node) -> str:
+    """The status line of an engine node that is not active: its state, and what its configure is fetching
+    (a managed start's configure may download a checkpoint for minutes)."""
+    fetching = [message for _, _, message, values in engine_node.downloads.reports()
+                if values["phase"] in ("downloading", "verifying")]
+    return f"[status] oxygen_engine {engine_node.state_label}" + "".join(f" | {m}" for m in fetching)
+
+
 def crosswiring(node, topics: dict[str, str], own: int = 0, wait_s: float = 0.0) -> str:
     """Why this process must not start next to what already runs on its ROS domain (empty: nothing): another
     oxygen_engine under the same name, another node publishing on its command topic, another oxygen_observation
@@ -647,7 +655,7 @@ def run(argv: list[str], stop) -> int:
                           + "".join(f" | {server.status()}" for server in servers)
                           + (f" | {sim.status()}" if args.demo else "") + warning, flush=True)
                 else:
-                    print(f"[status] oxygen_engine {engine_node.state_label}", flush=True)
+                    print(inactive_status(engine_node), flush=True)
                 next_status += args.status_period
         # Safe shutdown order: the demo's robot and client leave first (they would report the action output's
         # and the conversation's services going away: warnings at every stop), no more commands, then the

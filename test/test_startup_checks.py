@@ -138,3 +138,19 @@ def test_a_missing_adapter_base_is_named_before_the_load(tmp_path):
     missing = str(tmp_path / "pi05_base_copy")
     assert _file_problems({"checkpoint_base": missing}, {}, None) == [f"checkpoint_base not found: {missing}"]
     assert _file_problems({"checkpoint_base": "lerobot/pi05_base"}, {}, None) == []     # fetched by the node
+
+
+def test_the_status_line_of_a_configuring_engine_shows_its_download():
+    from types import SimpleNamespace
+
+    from oxygen_ros.bringup import inactive_status
+    from oxygen_ros.model.download import DownloadState
+    from oxygen_ros.nodes.download_status import Downloads
+
+    downloads = Downloads()
+    node = SimpleNamespace(state_label="configuring", downloads=downloads)
+    assert inactive_status(node) == "[status] oxygen_engine configuring"
+    downloads.update("oxygen_ros: checkpoint download", DownloadState(
+        "lerobot/pi05_base", "downloading", done=3_200_000_000, total=14_500_000_000, elapsed_s=80.0))
+    line = inactive_status(node)
+    assert line.startswith("[status] oxygen_engine configuring | downloading lerobot/pi05_base: 3.2 GB of 14.5 GB"), line
