@@ -153,4 +153,5 @@ def test_the_status_line_of_a_configuring_engine_shows_its_download():
     downloads.update("oxygen_ros: checkpoint download", DownloadState(
         "lerobot/pi05_base", "downloading", done=3_200_000_000, total=14_500_000_000, elapsed_s=80.0))
     line = inactive_status(node)
-    assert line.startswith("[status] oxygen_engine configuring | downloading lerobot/pi05_base: 3.2 GB of 14.5 GB"), line
+    expected = "[status] oxygen_engine configuring | downloading lerobot/pi05_base: 3.2 GB of 14.5 GB"
+    assert line.startswith(expected), line
