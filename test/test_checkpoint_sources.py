@@ -685,3 +685,50 @@ def test_norm_stats_alone_are_refused_where_a_repo_has_none(hub_repo, tmp_path):
         assert fake.downloads == []
     finally:
         fake.close()
+
+
+def test_oxygen_serve_serves_a_checkpoint_named_on_the_hub(tmp_path):
+    """`oxygen_serve --robot demo --checkpoint someone/demo` as a user types it: the checkpoint and its
+    statistics fetched from the hub (served on 127.0.0.1) with what it downloads said, then served: a client's
+    chunk equals the one the shipped folder gives."""
+    import numpy as np
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    from oxygen_ros.robot.configs import demo_checkpoint
+
+    def serve(*args: str, env: dict | None = None):
+        proc = subprocess.Popen([sys.executable, "-m", "oxygen_ros.serve", "--robot", "demo", "--port", "0", *args],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})))
+        lines = []
+        for line in proc.stdout:                   # ends at the port line, or when the process ends
+            lines.append(line.rstrip())
+            if "listening on ws://" in line:
+                return proc, int(line.rsplit(":", 1)[1]), lines
+        proc.wait(10)
+        raise AssertionError("\n".join(lines))
+
+    def chunk(port: int):
+        rng = np.random.default_rng(4)
+        obs = {"observation/image": rng.integers(0, 256, (64, 64, 3), dtype=np.uint8),
+               "observation/state": rng.uniform(-1, 1, 3), "prompt": "touch the red cube"}
+        return WebsocketClientPolicy("127.0.0.1", port).infer(obs)
+
+    fake = FakeHub({"someone/demo": demo_checkpoint()})
+    served = []
+    try:
+        env = {"HF_ENDPOINT": fake.endpoint, "HF_HUB_CACHE": str(tmp_path / "hf")}
+        proc, port, lines = serve("--checkpoint", "someone/demo", env=env)
+        served.append(proc)
+        said = "\n".join(lines)
+        assert "someone/demo: downloading 3 file(s), 6.1 MB" in said, said       # what it fetches, how much
+        hub_chunk = chunk(port)
+        proc, port, _ = serve()                                                   # the shipped folder
+        served.append(proc)
+        local_chunk = chunk(port)
+    finally:
+        fake.close()
+        for proc in served:
+            proc.send_signal(2)
+            proc.wait(30)
+    np.testing.assert_array_equal(hub_chunk["actions"], local_chunk["actions"])

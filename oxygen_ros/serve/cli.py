@@ -2,6 +2,7 @@
 
     oxygen_serve --robot droid --params-file my_droid.yaml        # a real checkpoint, as oxygen_bringup takes it
     oxygen_serve --robot demo                                      # the shipped demo weights
+    oxygen_serve --robot so101 --checkpoint lerobot/pi05_so101     # a checkpoint by name (or gs://..., a folder)
     oxygen_serve --robot libero --random tiny                      # random weights: try the protocol
     oxygen_serve --robot aloha --api-key-file key.txt --host 0.0.0.0 --max-clients 4
 
@@ -108,6 +109,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="robot config (config/<robot>.yaml) and its openpi keys")
     parser.add_argument("--params-file", action="append", default=[],
                         help="ROS parameters YAML, as oxygen_bringup takes it (repeatable; later files win)")
+    parser.add_argument("--checkpoint", metavar="NAME",
+                        help="the checkpoint to serve and its statistics (oxygen_engine's checkpoint and norm_stats, "
+                             "over the robot config's): a folder, a hub id org/name[@revision] or a gs:// URL, "
+                             "fetched once into the hub's or openpi's cache")
     parser.add_argument("--random", metavar="PRESET",
                         help="random weights at this model preset (tiny, bench, pi05) with the robot config's "
                              "dimensions and identity norm stats: to try the protocol, not to move a robot")
@@ -199,16 +204,22 @@ def server_options(args, key_flag: str = "--api-key-file") -> ServeOptions:
                         reply_timeout_s=args.reply_timeout, serial=args.serial)
 
 
-def engine_parameters(robot: str | None, params_files: list[str], random: str | None) -> tuple[list[str], dict]:
+def engine_parameters(robot: str | None, params_files: list[str], random: str | None,
+                      checkpoint: str | None = None) -> tuple[list[str], dict]:
     """(parameter files, overrides) for the engine node: oxygen_bringup's order (robot config, the demo
-    weights for the demo, the given files), then --random's choices, which win over every file (a model
-    preset, no weights, identity norm stats, a small KV pool)."""
+    weights for the demo, the given files), then --checkpoint's or --random's choices, which win over every
+    file (--checkpoint: the checkpoint and its statistics, as the robot configs name both by the checkpoint's
+    folder; --random: a model preset, no weights, identity norm stats, a small KV pool)."""
+    if random and checkpoint:
+        raise ValueError("--checkpoint and --random exclude each other: serve a checkpoint or random weights")
     from oxygen_ros.robot.configs import demo_weights_params, find_config
 
     files = ([str(find_config(robot))] if robot else []) + list(params_files)
-    if robot == "demo" and not random:
+    if robot == "demo" and not (random or checkpoint):
         files.insert(1, str(demo_weights_params()))
     overrides = {}          # (a client's frames get no captions: ClientSlots adds it with captions=False)
+    if checkpoint:
+        overrides.update(checkpoint=checkpoint, norm_stats=checkpoint)
     if random:
         overrides.update(model=random, checkpoint="", tokenizer="", norm_stats="", asset_id="", kv_budget_mb=64.0)
     return files, overrides
@@ -252,10 +263,10 @@ def build_engine_node(files: list[str], overrides: dict, ros_args: list[str], st
                       parameter_overrides=[Parameter(k, value=v) for k, v in overrides.items()])
     node.trigger_configure()
     if node.failure and not (stop is not None and stop.is_set()):
-        problems = node.failure.splitlines()
         node.destroy_node()
         context.try_shutdown()
-        raise SystemExit("oxygen_serve: refusing to start, bad parameters:\n  " + "\n  ".join(problems))
+        # Its problems: logged by oxygen_engine just above, each once.
+        raise SystemExit("oxygen_serve: refusing to start, bad parameters (oxygen_engine's configure failed: above)")
     return node, context
 
 
@@ -267,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(argv: list[str], stop: StopRequest) -> int:
     args, ros_args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    for chatty in ("httpx", "httpx2"):      # huggingface_hub's HTTP client: a line per request (download.py says more)
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     from oxygen_ros.robot.configs import find_config
 
     try:
@@ -274,7 +287,7 @@ def run(argv: list[str], stop: StopRequest) -> int:
         problems = options.problems()
         if problems:
             raise ValueError("; ".join(problems))
-        files, overrides = engine_parameters(args.robot, args.params_file, args.random)
+        files, overrides = engine_parameters(args.robot, args.params_file, args.random, args.checkpoint)
     except (ValueError, FileNotFoundError) as e:
         print(f"oxygen_serve: {e}", file=sys.stderr)
         return 2
