@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import ACTION_S, PREFILL_S, SimClock, make_observation, simulate_costs, small_config
 from oxygen_ros.bench.hierarchy import Serial
@@ -77,25 +78,62 @@ def test_joint_actions_equal_the_serial_lerobot_replica(engine_factory, joint_mo
     assert engine.runner.pool.blocks.num_used == 0
 
 
-@pytest.mark.parametrize("subtask,own_prefill", [("grasp the cup", 0), ("3 cups", 1)], ids=["space", "lone-space"])
+def greedy_after(engine, images, tokens: list[int]) -> str:
+    """The greedy text after images + `tokens` (all bidirectional) on a prefill of its own, as the serial
+    replica decodes a text (no ids masked: the small vocabulary has none to mask)."""
+    from oxygen_ros.model import inference
+    from oxygen_ros.model.pi05 import PrefixRow
+
+    model = engine.runner.model
+    cache = inference.ContiguousCache(model, 4096)
+    pre = inference.prefill(model, cache, [PrefixRow(images, torch.tensor(tokens))])
+    ids = inference.greedy_generate(model, cache, pre.segments[0], pre.hidden[0], [],
+                                    engine.hierarchy.format.max_new_tokens, eos_id=engine.tokenizer.eos_id)
+    return pi052.decode_reply(engine.tokenizer, ids)
+
+
+@pytest.mark.parametrize("subtask,text_prefill", [("grasp the cup", 0), ("3 cups", 1)], ids=["space", "lone-space"])
 def test_a_given_subtasks_actions_equal_the_serial_lerobot_replica(engine_factory, joint_model, obs, subtask,
-                                                                   own_prefill):
+                                                                   text_prefill):
     """The same frame and subtask, the engine (the subtask a finished request, read by the next frame's
     actions) against the serial replica: within JOINT_TOL, whether the subtask's first piece carries its space
-    (the frame's prefix is the first block) or not (the lone space piece joins the block: an own prefill)."""
-    engine = engine_factory(hierarchy="joint", subtask_every_chunks=100, subtask_period_s=0.0,
-                            progress_memory=False, model=joint_model)
+    or not (the lone space piece joins the actions' bidirectional block). Either way the frame's prefill is the
+    actions' block and they read it: no second prefill on the chunk's path. The subtask request asked on that
+    frame reads the plain prompt through "Assistant:" all the same: the frame's prefill when it is that
+    prompt, else a prefill of its own of it (joint_text_own_prefill), and decodes what the replica does."""
+    # A clock that stands still: the text's own prefill always fits the cycle's language time (admission)
+    engine = engine_factory(hierarchy="joint", subtask_every_chunks=1, subtask_period_s=0.0, progress_memory=False,
+                            decode_budget="fixed", tokens_per_frame=200, model=joint_model, clock=SimClock())
     fake = FakeSubmit(engine.tokenizer)
     engine.hierarchy.submit = fake
     engine.run_cycle(obs(0), NOISE)
     assert [r.kind for r, *_ in fake.requests] == ["subtask"]
     fake.reply(0, subtask)
-    engine.run_cycle(obs(1), NOISE)
+    handles = []
+    engine.hierarchy.submit = lambda *a, **k: (handles.append(h := engine.scheduler.submit(*a, **k)), h)[1]
+    prefills = []
+    prefill_one = engine.runner.prefill_one
+    engine.runner.prefill_one = lambda row, *a: (prefills.append(row.tokens.tolist()), prefill_one(row, *a))[1]
+    report = engine.run_cycle(obs(1), NOISE)
     chunk = engine.latest_chunk()
-    assert chunk.subtask == subtask and engine.stats.counter("joint_own_prefill") == own_prefill
+    assert chunk.subtask == subtask and engine.stats.counter("joint_own_prefill") == 0
     _, actions = reference_joint(engine, obs(1), NOISE, subtask)
     diff = float(np.abs(chunk.model_actions - actions).max())
     assert diff <= JOINT_TOL, f"joint actions differ from the serial replica's by {diff:.2e}"
+
+    prepared = engine.preparer.prepare(obs(1))
+    state = pi052.state_text(prepared.model_state)
+    plain = engine.tokenizer.encode(pi052.joint_prompt(obs(1).prompt, state) + pi052.GENERATION_PROMPT, bos=True)
+    block = pi052.joint_tokens(engine.tokenizer, obs(1).prompt, state, subtask)
+    assert (block.tokens[:block.bidir] != plain) == bool(text_prefill)
+    (handle,) = handles
+    reply = handle.result(0)
+    assert reply.success and reply.frame_index == report.frame_index
+    assert engine.stats.counter("joint_text_own_prefill") == text_prefill and prefills == [plain] * text_prefill
+    expected = greedy_after(engine, prepared.row.images, plain)
+    assert pi052.decode_reply(engine.tokenizer, reply.tokens) == expected
+    if text_prefill:      # reading the frame's prefill (the lone space piece after "Assistant:") would differ
+        assert greedy_after(engine, prepared.row.images, block.tokens[:block.bidir]) != expected
 
 
 def timed_engine(engine_factory, clock, **cfg):
@@ -123,11 +161,11 @@ def test_the_chunk_never_waits_for_text(engine_factory, joint_model, obs):
         return engine, chunks, reports
 
     engine, chunks, reports = run()
-    # A subtask whose first piece has no leading space (this random model's often do) makes that frame's
-    # actions read an own prefill of the prompt (tasks/hierarchy.py, `spans`): one prefill more, no text.
-    own, base = engine.stats.counter("joint_own_prefill"), round(PREFILL_S + SPAN_S + ACTION_S, 9)
-    assert sorted(round(c.compute_s, 9) for c in chunks) == \
-        [base] * (len(chunks) - own) + [round(base + PREFILL_S, 9)] * own
+    # A subtask whose first piece has no leading space (this random model's often do) puts the lone space
+    # piece into the frame's prefill (the actions' block): the subtask request then pays a prefill of its own
+    # of the plain prompt in the language time, never the chunk.
+    assert {round(c.compute_s, 9) for c in chunks} == {round(PREFILL_S + SPAN_S + ACTION_S, 9)}
+    assert engine.stats.counter("joint_own_prefill") == 0 and engine.stats.counter("joint_text_own_prefill")
     assert not any(r.deadline_missed for r in reports)
     subtasks = [c.subtask for c in chunks]
     assert subtasks[0] == "pick up the red cup" and engine.language_state()["subtask"] in subtasks[1:]
@@ -151,6 +189,9 @@ def test_each_robot_of_a_fleet_has_its_own_subtask_and_memory(joint_model):
                           engine=EngineConfig(hierarchy="joint", subtask_period_s=0.0, subtask_every_chunks=2,
                                               max_active_requests=8, decode_budget="fixed", tokens_per_frame=128),
                           robots={n: RobotIOConfig(robot_action_dim=7) for n in names})
+    # A clock that stands still: the own prefills of texts on frames with a lone space piece always fit the
+    # cycle's language time (a loaded machine's slow cycles would leave them waiting: admission)
+    engine.clock = SimClock()
     updates: list[LanguageUpdate] = []
     engine.add_language_listener(updates.append)
     frame_obs = {}
@@ -227,8 +268,9 @@ def test_memory_is_rewritten_only_when_the_subtask_changes(engine_factory, obs):
     state = engine.language_state()
     assert (state["subtask"], state["subtask_frame"], state["memory"]) == ("lift the cup", 7, "holding nothing yet")
     engine.run_cycle(obs(3))                                      # the default recipe: the subtask in the prompt
-    prompt = engine.tokenizer.decode(engine.preparer.reprompt(engine.preparer.prepare(obs(3)), pi052.action_prompt(
-        "lift the cup", pi052.state_text(engine.preparer.prepare(obs(3)).model_state))).row.tokens.tolist())
+    prompt = engine.tokenizer.decode(engine.preparer.reprompt(engine.preparer.prepare(obs(3)), engine.tokenizer.encode(
+        pi052.action_prompt("lift the cup", pi052.state_text(engine.preparer.prepare(obs(3)).model_state)),
+        bos=True)).row.tokens.tolist())
     assert prompt.startswith("User: lift the cup, State: ") and engine.latest_chunk().subtask == "lift the cup"
 
 

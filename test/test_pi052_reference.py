@@ -306,6 +306,8 @@ def test_the_engine_serves_the_joint_recipe_as_the_branch(ref, sync):
                                      state=obs.state, prompt=obs.prompt), ref["noise"])
     chunk = engine.latest_chunk()
     assert chunk.subtask == str(ref["joint_subtask_text"]) == engine.language_state()["subtask"]
-    # this subtask begins with a byte piece: the lone space piece is in the bidirectional block (own prefill)
-    assert engine.stats.counter("joint_own_prefill") == 1
+    # this subtask begins with a byte piece: the lone space piece is in the actions' bidirectional block; sync
+    # mode prefills the frame with the subtask request's prompt (the actions: an own prefill), async mode with
+    # the actions' block (read as it is)
+    assert engine.stats.counter("joint_own_prefill") == int(sync)
     np.testing.assert_allclose(chunk.model_actions[:, :6], ref["joint_model_actions"], rtol=0, atol=TOLERANCE)

@@ -27,6 +27,9 @@ class PreparedFrame:
     prompt_truncated: int       # prompt tokens cut off to fit max_token_len (reported, not silent)
     state: np.ndarray           # the robot's state, robot units (delta actions are relative to it)
     model_state: np.ndarray     # normalised state (in the prompt)
+    # The prompt a text continuing the frame's prompt reads, where the prefill's tokens are not that prompt
+    # (the joint recipe's actions' block with a lone space piece: tasks/hierarchy.py); None: the prefill's.
+    text_prompt: torch.Tensor | None = None
 
 
 class FramePreparer:
@@ -64,12 +67,15 @@ class FramePreparer:
             raise InputError("observation has no valid camera image")
         return self._with_prompt(torch.stack(images), float(stamp), state, inputs.state_normalized, obs.prompt)
 
-    def reprompt(self, frame: PreparedFrame, prompt: str) -> PreparedFrame:
-        """Same images and state, the prompt `prompt` exactly (BOS + its tokens: a pi052 format's prompt)."""
-        tokens = self.tokenizer.encode(prompt, bos=True)
+    def reprompt(self, frame: PreparedFrame, tokens: list[int], text_tokens: list[int] | None = None) -> PreparedFrame:
+        """Same images and state, the prompt `tokens` exactly (BOS included: a pi052 format's prompt), cut to
+        max_token_len; `text_tokens`: the prompt a text continuing the frame's prompt reads instead, when it
+        is not `tokens` (`PreparedFrame.text_prompt`)."""
         n = self.cfg.max_token_len
+        text = None if text_tokens is None or text_tokens[:n] == tokens[:n] else \
+            torch.tensor(text_tokens[:n], dtype=torch.long)
         return PreparedFrame(PrefixRow(frame.row.images, torch.tensor(tokens[:n], dtype=torch.long)), frame.stamp,
-                             max(0, len(tokens) - n), frame.state, frame.model_state)
+                             max(0, len(tokens) - n), frame.state, frame.model_state, text)
 
     def _with_prompt(self, pixels, stamp, state, model_state, task: str) -> PreparedFrame:
         prompt = self.tokenizer.action_prompt(task, model_state if self.state_in_prompt else None,

@@ -199,6 +199,12 @@ class Sequence:
     def request(self) -> TextRequest:
         return self.handle.request
 
+    def own_prompt(self, prepared) -> list[int] | torch.Tensor | None:
+        """The prompt this sequence prefills of its own over the images of its frame (`prepared`, the frame's
+        PreparedFrame), or None when it reads the frame's KV: its own prefix prompt; else, since it continues
+        the frame's prompt, that prompt where the frame's prefill is not it (`PreparedFrame.text_prompt`)."""
+        return self.own_prefix if self.own_prefix is not None else prepared.text_prompt
+
     @property
     def prefilling(self) -> bool:
         """Its question is not yet all in its blocks (chunked prefill spreads a long one over cycles)."""

@@ -387,8 +387,8 @@ class Scheduler:
         after the owner served last); within an owner, first come first served. One that does not fit now
         stays queued without blocking smaller ones behind it (none waits for ever: what can never fit was
         refused at submit, and timeouts are bounded). `attach(frame)` gives a sequence its frame reference
-        (a retain, or its own prefill); a request with a prefix prompt of its own is admitted only when
-        `may_prefill` (its prefill fits the cycle's language time)."""
+        (a retain, or its own prefill); a request with a prompt of its own on its frame (`Sequence.own_prompt`)
+        is admitted only when `may_prefill` (its prefill fits the cycle's language time)."""
         admitted: list[Sequence] = []
         with self._lock:
             candidates = list(self.waiting)
@@ -399,12 +399,14 @@ class Scheduler:
             if seq.handle.cancelled:
                 self.finish(seq, "cancelled", "cancelled before admission")
                 continue
-            if seq.own_prefix is not None and not may_prefill():
+            prepared = frames[seq.request.owner].prepared
+            own_prompt = seq.own_prompt(prepared) is not None
+            if own_prompt and not may_prefill():
                 continue
-            if frames[seq.request.owner].prepared.stamp < seq.request.not_before_stamp:
+            if prepared.stamp < seq.request.not_before_stamp:
                 continue                                 # its observation's frame is still to come
             need = self.own_blocks(len(seq.question), seq.request.max_tokens)
-            prefix = self.prefix_blocks if seq.own_prefix is not None else self.request_prefix_blocks
+            prefix = self.prefix_blocks if own_prompt else self.request_prefix_blocks
             if self.blocks.num_free - need - prefix < self.reserve_blocks:
                 waited = True                            # back-pressure: it stays queued
                 continue

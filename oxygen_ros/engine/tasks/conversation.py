@@ -12,7 +12,9 @@ once): actions first, at the camera's rate, and language gets the time that is l
 scheduler decides how much (`LanguageBudget`); this task runs it.
 
 A request with a prefix prompt of its own (pi052's default recipe: a text is images + its messages,
-bidirectional) is prefilled when admitted, only while the cycle's time allows its measured cost.
+bidirectional), or one continuing a frame's prompt where the frame's prefill is not that prompt (the joint
+recipe's lone space piece in the actions' block), is prefilled when admitted, only while the cycle's time
+allows its measured cost.
 
 Frames for waiting requests: a robot's newest frame is held while its requests wait (`_hold`); a robot with
 questions waiting and no frame for over a camera interval gets its last delivered frame again (`reusable`);
@@ -95,12 +97,17 @@ class ConversationTask:
         report.decode_s = self.clock() - t
 
     def _attach(self, frame: Frame, seq: Sequence) -> FrameCache:
-        """A request's reference to its frame's KV: the same blocks (retain), or a prefill of its own: its own
-        prefix prompt over the frame's images, or in the isolated policy the frame's (openpi-style)."""
-        if seq.own_prefix is not None:
+        """A request's reference to its frame's KV: the same blocks (retain), or a prefill of its own over the
+        frame's images: its own prefix prompt, or the prompt it continues where the frame's prefill is not
+        that prompt (the joint recipe's lone space piece: counted, joint_text_own_prefill), or in the isolated
+        policy the frame's (openpi-style)."""
+        prompt = seq.own_prompt(frame.prepared)
+        if prompt is not None:
+            if seq.own_prefix is None:
+                self.stats.count("joint_text_own_prefill")
             t = self.clock()
             own = self.runner.prefill_one(PrefixRow(frame.prepared.row.images,
-                                                    torch.tensor(seq.own_prefix, dtype=torch.long)),
+                                                    torch.as_tensor(prompt, dtype=torch.long)),
                                           frame.index, frame.prepared.stamp)
             spent = self.clock() - t
             self.own_prefill_s += (spent - self.own_prefill_s) * (0.3 if self.own_prefill_s else 1.0)

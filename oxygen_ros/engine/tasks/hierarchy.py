@@ -18,7 +18,10 @@ The two formats (model/pi052.py) share what their attention allows:
   continuing that header (`pi052.joint_request`). The actions read the prefix plus the span in the
   branch's blocks (`pi052.joint_tokens`): the subtask's tokens, causal, then EOS and "\\n", which see each
   other, extended onto the frame before the denoise (`ModelRunner.extend_spans`: a few tokens, the
-  prefix's partly filled last block copied on write).
+  prefix's partly filled last block copied on write). When the newest subtask's first piece has no leading
+  space, the lone space piece belongs to the actions' bidirectional block: the frame's prefill is that block
+  (the actions never pay a second prefill), and a text continuing the header on such a frame is given a
+  prefill of its own of the header when admitted, in the language time (`PreparedFrame.text_prompt`).
 - pi052 (the default recipe): the frame's prefix is images + "User: {subtask}, State: ...;\\n"; the prefix is
   bidirectional, so each text needs a prefill of its own (images + its messages), admitted like a question
   when it fits the cycle's language time: once per refresh, never per frame.
@@ -98,7 +101,12 @@ class HierarchyTask:
     # ------------------------------------------------------------------ the cycle (engine thread)
     def prompt(self, frames: list[Frame], faults: list[tuple[Frame, str]]) -> list[Frame]:
         """Before the prefill: each frame's prompt in the checkpoint's format (a new task resets the robot's
-        texts); the default recipe's prompt carries the subtask (serially decoded first when due in sync mode)."""
+        texts); the default recipe's prompt carries the subtask (serially decoded first when due in sync mode).
+        Joint recipe: the prompt through "Assistant:", the subtask request's; outside sync mode the actions'
+        bidirectional block for the robot's newest subtask (`pi052.joint_tokens`), which differs from it by
+        the lone space piece when the subtask's first piece does not carry its leading space: the actions then
+        always read the frame's prefill, and a text continuing the prompt gets a prefill of its own of the
+        plain prompt when it is admitted (`PreparedFrame.text_prompt`), in the language time after the chunk."""
         if self.mode == "off":
             return frames
         kept = []
@@ -110,9 +118,17 @@ class HierarchyTask:
                                                  f.prepared.stamp) as own:
                         self._subtask_decoded(f.robot, r.generation, self._decode_now(own, []), f)
                 f.subtask = self._subtask(r)
-                text = pi052.joint_prompt(r.task, _state(f)) + pi052.GENERATION_PROMPT if self.joint else \
-                    pi052.action_prompt(f.subtask, _state(f))
-                f.prepared = f.preparer.reprompt(f.prepared, text)
+                if not self.joint:
+                    f.prepared = f.preparer.reprompt(f.prepared, self.tokenizer.encode(
+                        pi052.action_prompt(f.subtask, _state(f)), bos=True))
+                else:
+                    plain = self.tokenizer.encode(pi052.joint_prompt(r.task, _state(f)) + pi052.GENERATION_PROMPT,
+                                                  bos=True)
+                    if self.config.subtask_sync:        # the subtask is decoded on the frame's prefill first
+                        f.prepared = f.preparer.reprompt(f.prepared, plain)
+                    else:
+                        span = pi052.joint_tokens(self.tokenizer, r.task, _state(f), f.subtask)
+                        f.prepared = f.preparer.reprompt(f.prepared, span.tokens[:span.bidir], plain)
                 kept.append(f)
             except Exception as e:  # noqa: BLE001 - this frame only
                 faults.append((f, f"{type(e).__name__}: {e}"))
@@ -121,23 +137,22 @@ class HierarchyTask:
     def spans(self, frames: list[Frame], cycle) -> None:
         """Joint format, after the prefill: each frame's subtask span extended onto its prefix for its actions
         (sync mode: the subtask decoded on the frame first when due). Raises as the frames' prefill does.
-        The frame's prefix is the span's bidirectional block (the prompt through "Assistant:"), except when the
-        subtask's first piece does not carry its leading space (pi052.JointPrompt): that frame's actions then
-        read an own prefill of the prompt with the lone space piece (counted: joint_own_prefill)."""
+        The frame's prefix is the span's bidirectional block (`prompt`), except in sync mode when the subtask's
+        first piece does not carry its leading space (pi052.JointPrompt): the frame's prefix is then the
+        subtask request's prompt, and that frame's actions read an own prefill of the prompt with the lone
+        space piece (counted: joint_own_prefill)."""
         if not self.joint or not frames:
             return
         for f in frames:
             r = self._robots[f.robot]
             if self.config.subtask_sync and self._due(r):
                 self._subtask_decoded(f.robot, r.generation, self._decode_now(f.cache, []), f)
-            f.subtask = self._subtask(r)
+                f.subtask = self._subtask(r)
         prefixes, causal, tails = [], [], []
         for f in frames:
             span = pi052.joint_tokens(self.tokenizer, f.task, _state(f), f.subtask)
             prefix, head, end = f.cache, len(f.prepared.row.tokens), len(span.tokens) - span.tail
             if span.tokens[:span.bidir] != f.prepared.row.tokens.tolist() and not f.prepared.prompt_truncated:
-                # The subtask's first piece has no leading space: the lone space piece before it is in the
-                # prompt's bidirectional block, so the actions' prefix is not the frame's: its own prefill.
                 # (A prompt cut to max_token_len, reported with the chunk, goes on causally from the cut.)
                 self.stats.count("joint_own_prefill")
                 row = PrefixRow(f.prepared.row.images, torch.tensor(span.tokens[:span.bidir], dtype=torch.long))
