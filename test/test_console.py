@@ -393,7 +393,11 @@ oxygen_engine:
   ros__parameters:
     hierarchy: joint            # the demo model serves the joint recipe (its texts are untrained: any text)
     subtask_period_s: 0.5
+oxygen_sim_robot:
+  ros__parameters:
+    prompt_topic: sim/episode_task   # the episodes' tasks go elsewhere: the robot's task is the test's, fixed
 """
+TASK = "put the cubes in a row"
 
 
 def test_the_hierarchys_language_is_shown_live_and_an_interjection_is_answered(tmp_path):
@@ -421,6 +425,12 @@ def test_the_hierarchys_language_is_shown_live_and_an_interjection_is_answered(t
             driver.get(f"http://127.0.0.1:{port}/?token={token}")
             wait = WebDriverWait(driver, 90, poll_frequency=0.2)
             wait.until(lambda d: text(d, "lifecycle") == "active")
+            prompts = client.node.create_publisher(String, "/oxygen/prompt", 10)
+
+            def task_shown(d) -> bool:        # the robot's task is the test's (published until the page shows it)
+                prompts.publish(String(data=TASK))
+                return text(d, "lang-task") == TASK
+            wait.until(task_shown)
             assert wait_until(lambda: subtasks, 90), bringup.output()[-3000:]
             published = {(m.text, m.frame_index) for _, m in subtasks}
             # What the page shows is one of the published subtasks, with the frame it came from.
@@ -438,7 +448,7 @@ def test_the_hierarchys_language_is_shown_live_and_an_interjection_is_answered(t
                 assert wait_until(lambda: plans, 30), (message, bringup.output()[-2000:])
                 assert (plans[-1][1].text, plans[-1][1].frame_index) == (plan, frame)
                 wait.until(lambda d: text(d, "lang-plan-frame") == f"frame {frame}")
-                assert text(driver, "lang-plan") == plan
+                assert text(driver, "lang-plan") == plan and text(driver, "lang-task") == TASK
             else:         # the untrained demo may answer nothing: no plan published, none shown
                 time.sleep(1.0)
                 assert not plans and text(driver, "lang-plan") == "(none yet)"
