@@ -230,6 +230,7 @@ def run_engine(engine, wl, seconds: float) -> dict:
                frames_taken=k, late_chunks=int(sum(snap["robots"][r]["deadline_misses"] for r in engine.robots)),
                subtask_updates=sum(1 for u in updates if u.kind == "subtask"),
                own_prefills=engine.stats.counter("joint_own_prefill"),
+               text_own_prefills=engine.stats.counter("joint_text_own_prefill"),
                span_tokens_p50=float(np.median([span_tokens(engine.tokenizer, u.text)
                                                 for u in updates if u.kind == "subtask"] or [0])),
                memory_updates=sum(1 for u in updates if u.kind == "memory"),
