@@ -463,18 +463,64 @@ def inactive_status(engine_node) -> str:
     return f"[status] oxygen_engine {engine_node.state_label}" + "".join(f" | {m}" for m in fetching)
 
 
+_CLAIMS: list = []      # this process's claims on engine names (open, locked files: the OS releases them at exit)
+
+
+def _domain() -> str:
+    return os.environ.get("ROS_DOMAIN_ID", "0") or "0"
+
+
+def _ways_out(domain: str) -> str:
+    return (f"give this one another ROS_DOMAIN_ID (now {domain}) or a namespace (oxygen_bringup --namespace "
+            "robot2; ros2 launch ... namespace:=robot2)")
+
+
+def claim_engine_name(name: str) -> str:
+    """This machine's claim on engine `name` on this process's ROS domain, kept while the process lives (a
+    locked file: the OS lets go of it when the process ends, however it ends). A second bringup on the same
+    machine, domain and name is refused at once, whatever DDS discovery has seen by then (crosswiring looks
+    for engines on other machines). Empty: claimed, or no claim possible (discovery off: processes here do not
+    see each other; a temporary folder another user owns); else the refusal."""
+    import fcntl
+    import hashlib
+    import tempfile
+
+    if os.environ.get("ROS_AUTOMATIC_DISCOVERY_RANGE", "").upper() == "OFF":
+        return ""
+    domain = _domain()
+    key = hashlib.sha1(f"{domain}\0{name}".encode()).hexdigest()[:16]
+    try:
+        handle = open(Path(tempfile.gettempdir()) / f"oxygen_engine_{key}.lock", "a+")
+    except OSError:
+        return ""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        other = handle.read().strip()
+        handle.close()
+        which = f" (on this machine, pid {other})" if other.isdigit() else " (on this machine)"
+        return (f"oxygen_bringup: refusing to start: another {name} runs on ROS domain {domain}{which}: its robot "
+                f"would get both engines' commands; {_ways_out(domain)}")
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    _CLAIMS.append(handle)
+    return ""
+
+
 def crosswiring(node, topics: dict[str, str], own: int = 0, wait_s: float = 0.0) -> str:
     """Why this process must not start next to what already runs on its ROS domain (empty: nothing): another
     oxygen_engine under the same name, another node publishing on its command topic, another oxygen_observation
     reading its state topic: each robot would get both engines' commands, each engine both robots' inputs.
     `own`: how many of those this process has built itself (0 before the load, 1 after). Looks for `wait_s`
     (DDS discovery takes a moment) before deciding there is none."""
-    domain = os.environ.get("ROS_DOMAIN_ID", "0") or "0"
+    domain = _domain()
     name = node.get_fully_qualified_name()
     commands = node.resolve_topic_name(topics["commands"])
     state = node.resolve_topic_name(topics["state"])
-    ways_out = (f"give this one another ROS_DOMAIN_ID (now {domain}) or a namespace (oxygen_bringup --namespace "
-                "robot2; ros2 launch ... namespace:=robot2)")
+    ways_out = _ways_out(domain)
     deadline = time.monotonic() + wait_s
     while True:
         engines = [n for n, ns in node.get_node_names_and_namespaces()
@@ -599,7 +645,8 @@ def run(argv: list[str], stop) -> int:
     nodes = [engine_node]
     servers = []            # the openpi and LeRobot clients' (--openpi-port, --lerobot-port)
     try:
-        crossing = crosswiring(engine_node, startup_topics(files, ros_args), wait_s=DISCOVERY_S)
+        crossing = claim_engine_name(engine_node.get_fully_qualified_name()) or \
+            crosswiring(engine_node, startup_topics(files, ros_args), wait_s=DISCOVERY_S)
         if crossing:
             print(crossing, file=sys.stderr)
             return 2

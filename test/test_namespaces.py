@@ -25,7 +25,7 @@ def test_a_second_bringup_refuses_then_two_namespaces_run_apart():
     second = third = None
     try:
         assert first.wait_for_line("oxygen_bringup: running", 120), first.output()
-        # The same node set again on the same domain: refused in one line.
+        # The same node set again on the same domain: refused before the load, in one line.
         second = Bringup(["--demo", "--status-period", "0"], domain)
         assert second.proc.wait(120) == 2, second.output()
         refusal = [line for line in second.lines if "refusing to start" in line]
@@ -34,9 +34,8 @@ def test_a_second_bringup_refuses_then_two_namespaces_run_apart():
         assert "another /oxygen_engine runs on ROS domain" in refusal[0] or \
             "already publishes on /oxygen/action (ROS domain" in refusal[0], refusal
         assert WAYS_OUT.format(domain=domain) in refusal[0], refusal
-        # Before the load when DDS discovery names the first one within the start's look (DISCOVERY_S); on a
-        # loaded machine it may only be found after the load, and then it is refused before its output is enabled.
-        assert "action output enabled" not in second.output()
+        # On this machine: found by the first one's claim on its name, before the load, whatever DDS has seen.
+        assert "(on this machine, pid " in refusal[0] and "loading model" not in second.output(), second.output()
         assert first.proc.poll() is None                       # the first one runs on, untouched
 
         # In its own namespace the second robot runs beside the first.
@@ -85,3 +84,32 @@ def test_params_sections_move_into_the_namespace(tmp_path):
     lines = Path(in_namespace(params, "robot2")).read_text().splitlines()
     assert lines == ["# a comment", "/**:", "  ros__parameters:", "    a: 1", "/robot2/oxygen_engine:",
                      "  ros__parameters:", "    model: tiny", "/other/node:", "  ros__parameters: {}"]
+
+
+def test_an_engine_name_is_claimed_on_this_machine_while_its_process_lives(monkeypatch):
+    """The claim behind the refusal above (a locked file per domain and engine name): a second claim is refused
+    naming the holder's pid; released, the name can be claimed again; other domains and names are apart;
+    with DDS discovery off nothing is claimed (processes on one machine do not see each other then)."""
+    import os
+
+    from oxygen_ros import bringup
+
+    monkeypatch.setenv("ROS_DOMAIN_ID", str(private_domain(72)))
+    name = f"/claim_test_{os.getpid()}/oxygen_engine"
+    assert bringup.claim_engine_name(name) == ""
+    held = bringup._CLAIMS[-1]
+    try:
+        refusal = bringup.claim_engine_name(name)
+        assert refusal.startswith(f"oxygen_bringup: refusing to start: another {name} runs on ROS domain "
+                                  f"{private_domain(72)} (on this machine, pid {os.getpid()})"), refusal
+        assert WAYS_OUT.format(domain=private_domain(72)) in refusal
+        assert bringup.claim_engine_name(name + "2") == ""              # another name
+        bringup._CLAIMS.pop().close()
+        monkeypatch.setenv("ROS_AUTOMATIC_DISCOVERY_RANGE", "OFF")
+        assert bringup.claim_engine_name(name) == ""
+    finally:
+        bringup._CLAIMS.remove(held)
+        held.close()
+    monkeypatch.delenv("ROS_AUTOMATIC_DISCOVERY_RANGE")
+    assert bringup.claim_engine_name(name) == ""                      # released with its file
+    bringup._CLAIMS.pop().close()
