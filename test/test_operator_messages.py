@@ -16,7 +16,7 @@ import pytest
 
 from oxygen_ros.bench.adversarial import verdict
 from oxygen_ros.bringup import late_warning
-from oxygen_ros.bench.ctrl_c import SLOWED_START
+from oxygen_ros.bench.ctrl_c import SLOWED_START, ReadHook
 from oxygen_ros.engine.capacity import CycleCost, predict
 from oxygen_ros.serve.cli import StopRequest
 from ros_harness import REPO, private_domain
@@ -164,29 +164,15 @@ def test_the_load_stops_between_tensors(monkeypatch):
     stop, read = threading.Event(), []
     real_open = checkpoint._open
 
-    class Counting:
-        def __init__(self, handle):
-            self.handle = handle
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return self.handle.__exit__(*exc)
-
-        def __getattr__(self, name):
-            return getattr(self.handle, name)
-
-        def get_tensor(self, key):
-            read.append(key)
-            if len(read) == 3:
-                stop.set()
-            return self.handle.get_tensor(key)
+    def counted(key):
+        read.append(key)
+        if len(read) == 3:
+            stop.set()
 
     weights = demo_checkpoint()
     cfg = model_config("demo", **checkpoint.checkpoint_settings(weights))
     assert checkpoint.load_pi05(weights, cfg, stop=threading.Event()) is not None     # never set: loads
-    monkeypatch.setattr(checkpoint, "_open", lambda f: Counting(real_open(f)))
+    monkeypatch.setattr(checkpoint, "_open", lambda f: ReadHook(real_open(f), counted))
     with pytest.raises(checkpoint.LoadStopped, match="stopped"):
         checkpoint.load_pi05(weights, cfg, stop=stop)
     assert len(read) == 3

@@ -24,25 +24,33 @@ from pathlib import Path
 
 import numpy as np
 
-SLOWED_START = """
-import sys, time
-from oxygen_ros.model import checkpoint
-open_file = checkpoint._open
+class ReadHook:
+    """A safetensors handle (model.checkpoint._open's) whose get_tensor calls `before(key)` first: a slowed or
+    counted checkpoint read, for this benchmark and the load-stop tests."""
 
-class Slowed:
-    def __init__(self, handle):
-        self.handle = handle
+    def __init__(self, handle, before):
+        self.handle, self.before = handle, before
+
     def __enter__(self):
         return self
+
     def __exit__(self, *exc):
         return self.handle.__exit__(*exc)
+
     def __getattr__(self, name):
         return getattr(self.handle, name)
+
     def get_tensor(self, key):
-        time.sleep({tensor_s})
+        self.before(key)
         return self.handle.get_tensor(key)
 
-checkpoint._open = lambda f: Slowed(open_file(f))
+
+SLOWED_START = """
+import sys, time
+from oxygen_ros.bench.ctrl_c import ReadHook
+from oxygen_ros.model import checkpoint
+open_file = checkpoint._open
+checkpoint._open = lambda f: ReadHook(open_file(f), lambda key: time.sleep({tensor_s}))
 from oxygen_ros.{module} import main
 sys.argv[0] = "{module}"
 raise SystemExit(main(sys.argv[1:]))

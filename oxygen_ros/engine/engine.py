@@ -371,9 +371,7 @@ class Engine:
         try:
             frame = pending.frame(robot, index, preparer, self.frame_noise, self.clock, report, self._prepare_listeners)
         except InputError as e:
-            self.stats.count("bad_observations")
-            self.stats.count_robot(robot, "bad_observations")
-            self.stats.note_error(f"observation rejected{_of(robot)}: {e}")
+            self.stats.robot_error(robot, "bad_observations", f"observation rejected{_of(robot)}: {e}")
             log.warning("frame %d%s: observation rejected: %s", index, _of(robot), e)
             self._discard_listeners(robot, f"observation rejected: {e}")
             return None
@@ -386,9 +384,7 @@ class Engine:
     def _fault(self, robot: str, index: int, message: str, report: CycleReport) -> None:
         self._consecutive_faults += 1
         report.fault = f"{report.fault}; {message}" if report.fault else message
-        self.stats.count("faults")
-        self.stats.count_robot(robot, "faults")
-        self.stats.note_error(f"frame {index}{_of(robot)}: {message}")
+        self.stats.robot_error(robot, "faults", f"frame {index}{_of(robot)}: {message}")
         log.error("frame %d%s discarded: %s", index, _of(robot), message)
         self._discard_listeners(robot, f"the engine discarded this frame: {message}")
         if self._consecutive_faults >= self.config.max_consecutive_faults and not self.faulted:

@@ -74,6 +74,12 @@ class EngineStats:
     def note_error(self, message: str) -> None:
         self.last_error = message
 
+    def robot_error(self, robot: str, name: str, message: str) -> None:
+        """A robot's frame lost (`name`: bad_observations, faults): counted in all and for the robot, and noted."""
+        self.count(name)
+        self.count_robot(robot, name)
+        self.note_error(message)
+
     def record(self, report, dropped: dict[str, int], active: int, queued: int) -> None:
         """A finished cycle; `dropped`: observations each robot's mailbox replaced so far."""
         with self._lock:
